@@ -1,0 +1,238 @@
+"""Group-wise integer quantization of KV tensors.
+
+A tensor ``x`` of shape ``[..., T, D]`` (tokens, channels; in the cache ``[B, H_kv, T, D]``) is split into
+groups of ``group_size`` elements that share one scale (and, for the asymmetric tiers, one zero point):
+
+- ``Axis.CHANNEL`` (keys): every channel has its own scale per group of ``group_size`` **tokens**, so
+  ``T`` must be a multiple of ``group_size``. Scale shape ``[..., T / G, D]``. Key outliers live in
+  channels (KIVI, KVQuant), which this grouping isolates.
+- ``Axis.TOKEN`` (values): every token has its own scale per group of ``group_size`` **channels**, so ``D``
+  must be a multiple of ``group_size``. Scale shape ``[..., T, D / G]``.
+
+Numerics (``s`` = scale, ``z`` = zero point; both are stored as float16 and the codes are computed with the
+float16-rounded values, so that dequantization uses exactly the numbers quantization used):
+
+- INT8, symmetric: ``s = clip * absmax / 127``, ``q = clamp(round(x / s), -127, 127)``, ``x' = q * s``.
+  ``absmax`` is the group's own (dynamic) or given by calibration (static, any shape that broadcasts to
+  ``x``; then ``scale`` keeps that shape and is shared by every token).
+- INT4 / INT2, asymmetric: the group's ``[min, max]`` (shrunk about its centre by ``clip``) is mapped onto
+  ``2**bits`` levels: ``s = (max - min) / (2**bits - 1)``, ``z = min`` (the value of code 0),
+  ``q = clamp(round((x - z) / s), 0, 2**bits - 1)``, ``x' = q * s + z``.
+
+Rules: a scale is never below float16's smallest normal number (6.1e-5), which makes constant (zero-range)
+groups exact instead of a division by zero; non-finite input raises ``ValueError``; ``round`` is
+round-half-to-even (``torch.round``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from kvguard import packing
+from kvguard.precision import Precision
+
+SCALE_DTYPE = torch.float16
+_MIN_SCALE = torch.finfo(SCALE_DTYPE).tiny
+_MAX_SCALE = torch.finfo(SCALE_DTYPE).max
+
+
+class Axis(str, Enum):
+    """Which way groups run; see the module docstring."""
+
+    CHANNEL = "channel"
+    TOKEN = "token"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How to quantize one tensor.
+
+    Attributes:
+        precision: ``int8``, ``int4`` or ``int2``.
+        axis: ``channel`` (keys) or ``token`` (values).
+        group_size: elements sharing a scale (tokens for ``channel``, channels for ``token``).
+        clip: fraction of the observed range kept; values beyond it saturate. ``1.0`` keeps the full range.
+        static: INT8 only; the scale comes from calibration (``absmax`` passed to :func:`quantize`).
+    """
+
+    precision: Precision
+    axis: Axis
+    group_size: int = 32
+    clip: float = 1.0
+    static: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", Precision.parse(self.precision))
+        if not self.precision.is_quantized:
+            raise ValueError("QuantSpec needs an integer precision [int8, int4, int2], got fp16")
+        try:
+            object.__setattr__(self, "axis", Axis(self.axis))
+        except ValueError:
+            raise ValueError(f"axis has to be one of {[a.value for a in Axis]} but got {self.axis!r}") from None
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be a positive integer, got {self.group_size}")
+        if not 0.0 < self.clip <= 1.0:
+            raise ValueError(f"clip must be in (0, 1], got {self.clip}")
+        if self.static and self.precision is not Precision.INT8:
+            raise ValueError(f"static (calibrated) scales are for int8 only, got {self.precision.value}")
+
+    @property
+    def levels(self) -> int:
+        return 2 ** self.precision.bits
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Codes plus what is needed to decode them.
+
+    Attributes:
+        qdata: ``int8`` codes for INT8; for INT4 / INT2 ``uint8`` bytes packed along the last (channel)
+            axis by :mod:`kvguard.packing` (low bits first).
+        scale: float16, group shape (see module docstring), or the calibrated shape when ``spec.static``.
+        zero_point: float16, same shape as ``scale``, for INT4 / INT2; ``None`` for INT8.
+        spec: the :class:`QuantSpec` used.
+        shape: shape of the original tensor ``[..., T, D]``.
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    spec: QuantSpec
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored tensor (codes, scales, zero points)."""
+        total = self.qdata.numel() * self.qdata.element_size()
+        total += self.scale.numel() * self.scale.element_size()
+        if self.zero_point is not None:
+            total += self.zero_point.numel() * self.zero_point.element_size()
+        return total
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[-2]
+
+    def codes(self) -> torch.Tensor:
+        """Unpacked integer codes, shape ``[..., T, D]`` (``int8`` for INT8, ``uint8`` otherwise)."""
+        return packing.unpack(self.qdata, self.spec.precision.bits)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reconstructed tensor ``[..., T, D]`` in ``dtype``."""
+        q = self.codes().to(torch.float32)
+        scale = self.scale.to(torch.float32)
+        zero = None if self.zero_point is None else self.zero_point.to(torch.float32)
+        if self.spec.static:
+            return (q * scale).to(dtype)
+        grouped = _group(q, self.spec)
+        scale, zero = _expand(scale, self.spec), None if zero is None else _expand(zero, self.spec)
+        out = grouped * scale if zero is None else grouped * scale + zero
+        return out.reshape(self.shape).to(dtype)
+
+    @staticmethod
+    def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
+        """Concatenate along the token axis (``-2``). All parts must share ``spec`` and leading shape."""
+        if not parts:
+            raise ValueError("cat needs at least one QuantizedTensor")
+        first = parts[0]
+        if len(parts) == 1:
+            return first
+        for p in parts[1:]:
+            if p.spec != first.spec or p.shape[:-2] != first.shape[:-2] or p.shape[-1] != first.shape[-1]:
+                raise ValueError(f"cannot concatenate {p.spec}/{p.shape} onto {first.spec}/{first.shape}")
+        tokens = sum(p.num_tokens for p in parts)
+        qdata = torch.cat([p.qdata for p in parts], dim=-2)
+        if first.spec.static:
+            # A calibrated scale is shared by every token: keep one copy.
+            scale, zero = first.scale, None
+        else:
+            scale = torch.cat([p.scale for p in parts], dim=-2)
+            zero = None if first.zero_point is None else torch.cat([p.zero_point for p in parts], dim=-2)
+        return QuantizedTensor(qdata, scale, zero, first.spec, (*first.shape[:-2], tokens, first.shape[-1]))
+
+    def select_heads(self, index: torch.Tensor) -> "QuantizedTensor":
+        """The same data restricted to the given entries of axis 1 (KV heads in ``[B, H, T, D]``)."""
+        if self.qdata.dim() != 4:
+            raise ValueError("select_heads expects a [B, H, T, D] tensor")
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if t.shape[1] == 1 else t.index_select(1, index)
+
+        zero = None if self.zero_point is None else pick(self.zero_point)
+        shape = (self.shape[0], int(index.numel()), *self.shape[2:])
+        return QuantizedTensor(pick(self.qdata), pick(self.scale), zero, self.spec, shape)
+
+
+def _group(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """View ``[..., T, D]`` with the group as its own axis: ``[..., T/G, G, D]`` or ``[..., T, D/G, G]``."""
+    *lead, t, d = x.shape
+    g = spec.group_size
+    if spec.axis is Axis.CHANNEL:
+        if t % g:
+            raise ValueError(f"per-channel quantization needs whole groups: {t} tokens is not a multiple of {g}")
+        return x.reshape(*lead, t // g, g, d)
+    if d % g:
+        raise ValueError(f"per-token quantization needs whole groups: {d} channels is not a multiple of {g}")
+    return x.reshape(*lead, t, d // g, g)
+
+
+def _group_dim(spec: QuantSpec) -> int:
+    return -2 if spec.axis is Axis.CHANNEL else -1
+
+
+def _expand(stat: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """A per-group statistic, re-inserted as a size-1 axis so it broadcasts over its group."""
+    return stat.unsqueeze(_group_dim(spec))
+
+
+def _to_scale_dtype(x: torch.Tensor, what: str) -> torch.Tensor:
+    if bool((x.abs() > _MAX_SCALE).any()):
+        raise ValueError(f"{what} exceeds the float16 range ({_MAX_SCALE}); the input values are too large")
+    return x.to(SCALE_DTYPE)
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, absmax: torch.Tensor | None = None) -> QuantizedTensor:
+    """Quantize ``x`` (``[..., T, D]``, floating point) according to ``spec``.
+
+    ``absmax`` is required when ``spec.static`` (calibrated INT8; any shape broadcastable to ``x``) and
+    refused otherwise.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"quantize expects [..., tokens, channels], got shape {tuple(x.shape)}")
+    bad = int((~torch.isfinite(x)).sum())
+    if bad:
+        raise ValueError(f"cannot quantize non-finite values: {bad} NaN/Inf in a tensor of shape {tuple(x.shape)}")
+    if spec.static != (absmax is not None):
+        raise ValueError("absmax must be given exactly when spec.static is set (calibrated int8 scales)")
+    bits = spec.precision.bits
+    x32 = x.to(torch.float32)
+
+    if spec.precision.symmetric:
+        if spec.static:
+            amax = absmax.to(device=x.device, dtype=torch.float32).abs()
+            scale = _to_scale_dtype(spec.clip * amax / 127.0, "scale").clamp(min=_MIN_SCALE)
+            q = torch.clamp(torch.round(x32 / scale.to(torch.float32)), -127, 127)
+        else:
+            grouped = _group(x32, spec)
+            amax = grouped.abs().amax(dim=_group_dim(spec))
+            scale = _to_scale_dtype(spec.clip * amax / 127.0, "scale").clamp(min=_MIN_SCALE)
+            q = torch.clamp(torch.round(grouped / _expand(scale, spec).to(torch.float32)), -127, 127)
+        qdata = q.to(torch.int8).reshape(x.shape)
+        return QuantizedTensor(qdata, scale, None, spec, tuple(x.shape))
+
+    grouped = _group(x32, spec)
+    lo = grouped.amin(dim=_group_dim(spec))
+    hi = grouped.amax(dim=_group_dim(spec))
+    if spec.clip < 1.0:
+        centre, half = (hi + lo) / 2, (hi - lo) / 2 * spec.clip
+        lo, hi = centre - half, centre + half
+    scale = _to_scale_dtype((hi - lo) / (spec.levels - 1), "scale").clamp(min=_MIN_SCALE)
+    zero = _to_scale_dtype(lo, "zero point")
+    q = torch.round((grouped - _expand(zero, spec).to(torch.float32)) / _expand(scale, spec).to(torch.float32))
+    codes = torch.clamp(q, 0, spec.levels - 1).to(torch.uint8).reshape(x.shape)
+    return QuantizedTensor(packing.pack(codes, bits), scale, zero, spec, tuple(x.shape))
