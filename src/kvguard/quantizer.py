@@ -153,6 +153,30 @@ class QuantizedTensor:
             zero = None if first.zero_point is None else torch.cat([p.zero_point for p in parts], dim=-2)
         return QuantizedTensor(qdata, scale, zero, first.spec, (*first.shape[:-2], tokens, first.shape[-1]))
 
+    def drop_front(self, tokens: int) -> "QuantizedTensor":
+        """The same data without its first ``tokens`` tokens (whole groups for ``Axis.CHANNEL``)."""
+        if tokens == 0:
+            return self
+        spec = self.spec
+        if spec.axis is Axis.CHANNEL and tokens % spec.group_size:
+            raise ValueError(f"can only drop whole groups of {spec.group_size} tokens, not {tokens}")
+        qdata = self.qdata[..., tokens:, :]
+        scale, zero = self.scale, self.zero_point
+        if not spec.static:
+            cut = tokens // spec.group_size if spec.axis is Axis.CHANNEL else tokens
+            scale = scale[..., cut:, :]
+            zero = None if zero is None else zero[..., cut:, :]
+        return QuantizedTensor(qdata, scale, zero, spec, (*self.shape[:-2], self.shape[-2] - tokens, self.shape[-1]))
+
+    def map_batch(self, fn) -> "QuantizedTensor":
+        """Apply ``fn`` (a batch-axis operation such as ``index_select(0, ...)``) to every per-sequence tensor."""
+        qdata = fn(self.qdata)
+        scale, zero = self.scale, self.zero_point
+        if not self.spec.static:  # a calibrated scale belongs to the model, not to a sequence
+            scale = fn(scale)
+            zero = None if zero is None else fn(zero)
+        return QuantizedTensor(qdata, scale, zero, self.spec, (qdata.shape[0], *self.shape[1:]))
+
     def select_heads(self, index: torch.Tensor) -> "QuantizedTensor":
         """The same data restricted to the given entries of axis 1 (KV heads in ``[B, H, T, D]``)."""
         if self.qdata.dim() != 4:

@@ -1,0 +1,102 @@
+"""KVGuardCache: a mixed-precision, quantized KV cache that is a real ``transformers`` ``Cache``.
+
+    cache = KVGuardCache(model.config, precision="int4")          # or one precision per layer / per KV head
+    out = model.generate(**inputs, past_key_values=cache)
+    cache.nbytes() / cache.fp16_nbytes()                           # measured bytes vs an FP16 cache
+
+Layers follow the model's ``layer_types``: sliding-window layers (Gemma 3) get
+:class:`~kvguard.cache_layer.KVGuardSlidingLayer`, the others :class:`~kvguard.cache_layer.KVGuardLayer`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
+from kvguard.config import CacheConfig
+from kvguard.models import Architecture
+from kvguard.precision import Precision
+
+PrecisionLike = "Precision | str | Sequence[Precision | str]"
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class KVGuardCache(Cache):
+    """Quantized KV cache with per-layer and per-KV-head precision.
+
+    Args:
+        config: the model's config (``model.config``) or an :class:`~kvguard.models.Architecture`.
+        precision: one precision for every layer (``"fp16"``, ``"int8"``, ``"int4"``, ``"int2"``), or a list
+            with one entry per layer, each a precision or a list of per-KV-head precisions.
+        cache_config: layout knobs (window, sinks, group size, storage dtype); see :class:`CacheConfig`.
+    """
+
+    def __init__(self, config, precision: "PrecisionLike | Sequence[PrecisionLike]" = Precision.INT4,
+                 cache_config: CacheConfig | None = None):
+        arch = config if isinstance(config, Architecture) else Architecture.from_config(config)
+        self.architecture = arch
+        self.cache_config = cache_config or CacheConfig()
+        per_layer = _per_layer(precision, arch.num_layers)
+        layers: list[KVGuardLayer] = []
+        for idx, (layer_type, p) in enumerate(zip(arch.layer_types, per_layer)):
+            if layer_type in _SLIDING_TYPES:
+                layers.append(KVGuardSlidingLayer(p, self.cache_config, idx, sliding_window=arch.sliding_window))
+            elif layer_type == "full_attention":
+                layers.append(KVGuardLayer(p, self.cache_config, idx))
+            else:
+                raise ValueError(
+                    f"layer {idx} has type {layer_type!r}; KVGuardCache supports "
+                    f"['full_attention', {', '.join(repr(t) for t in _SLIDING_TYPES)}]"
+                )
+            if isinstance(layers[-1].precision, tuple) and len(layers[-1].precision) != arch.num_kv_heads:
+                raise ValueError(
+                    f"layer {idx}: {len(layers[-1].precision)} per-head precisions given, the model has "
+                    f"{arch.num_kv_heads} KV heads"
+                )
+        super().__init__(layers=layers)
+
+    def _layer(self, layer: int) -> KVGuardLayer:
+        if not 0 <= layer < len(self.layers):
+            raise IndexError(f"layer index {layer} out of range [0, {len(self.layers)})")
+        return self.layers[layer]
+
+    def set_precision(self, layer: int, precision: PrecisionLike) -> None:
+        """Change the format of layer ``layer`` for tokens stored from now on (one, or one per KV head)."""
+        self._layer(layer).set_precision(precision)
+
+    def precisions(self) -> list["Precision | tuple[Precision, ...]"]:
+        """The current precision of every layer (a tuple where heads differ)."""
+        return [layer.precision for layer in self.layers]
+
+    def write_fp(self, layer: int, positions, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite absolute ``positions`` of ``layer`` with full-precision K/V (``[B, H_kv, P, D]``)."""
+        self._layer(layer).write_fp(positions, keys, values)
+
+    def nbytes(self, layer: int | None = None) -> int:
+        """Measured bytes of every stored tensor, for one layer or the whole cache."""
+        if layer is not None:
+            return self._layer(layer).nbytes()
+        return sum(l.nbytes() for l in self.layers)
+
+    def fp16_nbytes(self, layer: int | None = None) -> int:
+        """Bytes an FP16 cache of the same shape would take, for one layer or the whole cache."""
+        if layer is not None:
+            return self._layer(layer).fp16_nbytes()
+        return sum(l.fp16_nbytes() for l in self.layers)
+
+    def bytes_ratio(self) -> float:
+        """``nbytes() / fp16_nbytes()`` (1.0 while empty)."""
+        ref = self.fp16_nbytes()
+        return self.nbytes() / ref if ref else 1.0
+
+
+def _per_layer(precision, num_layers: int) -> list:
+    if isinstance(precision, (str, Precision)):
+        return [precision] * num_layers
+    precision = list(precision)
+    if len(precision) != num_layers:
+        raise ValueError(f"{len(precision)} layer precisions given, the model has {num_layers} layers")
+    return precision

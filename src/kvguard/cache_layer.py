@@ -1,0 +1,494 @@
+"""One layer of the KVGuard cache.
+
+A layer stores the tokens it has seen, in order, as::
+
+    [ sinks | run 0 | run 1 | ... | window ]      (+ a sparse full-precision overlay)
+
+- **sinks**: the first ``CacheConfig.sinks`` tokens, full precision.
+- **runs**: quantized tokens. A run is a stretch of tokens stored under one layout (which precision each KV
+  head uses, clip ratios, static scales); ``set_precision`` starts a new run, earlier runs keep their format.
+  Within a run the heads sharing a precision form one *part*. Tokens enter a run in whole groups of
+  ``group_size`` when they leave the window, are quantized exactly once, and are never re-quantized.
+- **window**: the most recent ``residual`` to ``residual + group_size - 1`` tokens, full precision.
+- **overlay**: full-precision K/V for chosen quantized positions (selective recomputation writes it through
+  :meth:`KVGuardLayer.write_fp`); it wins over the codes when the layer is read.
+
+Every tensor is ``[B, H_kv, T, D]`` (batch, KV heads, tokens, head_dim). ``update`` returns the stored past
+(dequantized, overlay applied) followed by the new tokens at the precision the model computed them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvguard.config import CacheConfig
+from kvguard.precision import Precision
+from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize
+
+Stored = "QuantizedTensor | torch.Tensor"
+
+
+def _nbytes(t: "QuantizedTensor | torch.Tensor | None") -> int:
+    if t is None:
+        return 0
+    if isinstance(t, QuantizedTensor):
+        return t.nbytes
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class _PartLayout:
+    """How one group of heads is stored in a run."""
+
+    heads: tuple[int, ...]
+    precision: Precision
+    key_spec: QuantSpec | None  # None for fp16 heads
+    value_spec: QuantSpec | None
+
+
+@dataclass
+class _Part:
+    layout: _PartLayout
+    index: torch.Tensor  # LongTensor of the head indices, for index_select / index_copy
+    keys: "QuantizedTensor | torch.Tensor | None" = None  # [B, h, T, D]
+    values: "QuantizedTensor | torch.Tensor | None" = None
+
+    def nbytes(self) -> int:
+        return _nbytes(self.keys) + _nbytes(self.values)
+
+
+@dataclass
+class _Run:
+    layout: tuple[_PartLayout, ...]
+    parts: list[_Part]
+    length: int = 0
+
+
+class KVGuardLayer(CacheLayerMixin):
+    """A full-attention cache layer with per-head precision, sinks, an FP window and an FP overlay."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        precision: "Precision | str | Sequence[Precision | str]" = Precision.INT4,
+        config: CacheConfig | None = None,
+        layer_idx: int = 0,
+    ):
+        super().__init__()
+        self.config = config or CacheConfig()
+        self.layer_idx = layer_idx
+        self._requested = self._parse_precision(precision)
+        self.key_clip = self.config.key_clip
+        self.value_clip = self.config.value_clip
+        # Calibrated INT8 absmax per KV head and channel, [H_kv, D]; None = dynamic scales.
+        self.key_absmax: torch.Tensor | None = None
+        self.value_absmax: torch.Tensor | None = None
+        self._clear()
+
+    # ------------------------------------------------------------------ state
+    @staticmethod
+    def _parse_precision(precision) -> "Precision | tuple[Precision, ...]":
+        if isinstance(precision, (str, Precision)):
+            return Precision.parse(precision)
+        parsed = tuple(Precision.parse(p) for p in precision)
+        if not parsed:
+            raise ValueError("a per-head precision list must not be empty")
+        return parsed
+
+    def _clear(self) -> None:
+        self._sinks_k = self._sinks_v = None
+        self._runs: list[_Run] = []
+        self._win_k = self._win_v = None
+        self._overlay_pos: torch.Tensor | None = None  # [P] absolute positions, ascending
+        self._overlay_k = self._overlay_v = None  # [B, H, P, D]
+        self.offset = 0  # absolute position of the first stored token
+        self.length = 0  # tokens seen so far
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
+        self.fp_dtype = self.config.storage_dtype(key_states.dtype)
+        self._check_heads(self._requested)
+        empty = key_states.new_zeros((self.batch_size, self.num_heads, 0, self.head_dim), dtype=self.fp_dtype)
+        self._sinks_k = self._sinks_v = self._win_k = self._win_v = empty
+        self.is_initialized = True
+
+    def reset(self) -> None:
+        self._clear()
+
+    def _check_heads(self, requested) -> None:
+        if isinstance(requested, tuple) and self.is_initialized_or_sized and len(requested) != self.num_heads:
+            raise ValueError(
+                f"layer {self.layer_idx} has {self.num_heads} KV heads but {len(requested)} per-head precisions were given"
+            )
+
+    @property
+    def is_initialized_or_sized(self) -> bool:
+        return getattr(self, "num_heads", None) is not None
+
+    @property
+    def head_precisions(self) -> tuple[Precision, ...]:
+        """The precision each KV head stores newly quantized tokens in."""
+        if isinstance(self._requested, tuple):
+            return self._requested
+        return (self._requested,) * (self.num_heads if self.is_initialized_or_sized else 1)
+
+    @property
+    def precision(self) -> "Precision | tuple[Precision, ...]":
+        """The requested precision: one for the whole layer, or one per KV head."""
+        return self._requested
+
+    def set_precision(self, precision: "Precision | str | Sequence[Precision | str]") -> None:
+        """Store tokens quantized from now on in ``precision`` (one, or one per KV head).
+
+        Tokens already stored keep their format; tokens still in the full-precision window take the new one
+        when they leave it.
+        """
+        parsed = self._parse_precision(precision)
+        self._check_heads(parsed)
+        self._requested = parsed
+
+    def set_clip(self, key_clip: float | None = None, value_clip: float | None = None) -> None:
+        """Clipping ratios for tokens quantized from now on."""
+        for name, value in (("key_clip", key_clip), ("value_clip", value_clip)):
+            if value is not None:
+                if not 0.0 < value <= 1.0:
+                    raise ValueError(f"{name} must be in (0, 1], got {value}")
+                setattr(self, name, float(value))
+
+    def set_static_scales(self, key_absmax: torch.Tensor | None, value_absmax: torch.Tensor | None) -> None:
+        """Calibrated INT8 ``absmax`` per KV head and channel (``[H_kv, D]``), used by ``int8`` heads."""
+        for t in (key_absmax, value_absmax):
+            if t is not None and (t.dim() != 2 or not bool(torch.isfinite(t).all()) or bool((t < 0).any())):
+                raise ValueError(f"static absmax must be a finite, non-negative [H_kv, D] tensor, got {tuple(t.shape)}")
+        self.key_absmax, self.value_absmax = key_absmax, value_absmax
+
+    # ------------------------------------------------------------------ layout
+    def _layout(self) -> tuple[_PartLayout, ...]:
+        """How tokens quantized now are stored: heads grouped by precision."""
+        g = self.config.group_size
+        groups: dict[Precision, list[int]] = {}
+        for h, p in enumerate(self.head_precisions):
+            groups.setdefault(p, []).append(h)
+        layout = []
+        for precision, heads in groups.items():
+            if not precision.is_quantized:
+                layout.append(_PartLayout(tuple(heads), precision, None, None))
+                continue
+            static = precision is Precision.INT8
+            layout.append(
+                _PartLayout(
+                    tuple(heads),
+                    precision,
+                    QuantSpec(precision, Axis.CHANNEL, g, self.key_clip, static and self.key_absmax is not None),
+                    QuantSpec(precision, Axis.TOKEN, g, self.value_clip, static and self.value_absmax is not None),
+                )
+            )
+        return tuple(layout)
+
+    def _static_absmax(self, absmax: torch.Tensor | None, spec: QuantSpec, index: torch.Tensor):
+        if not spec.static:
+            return None
+        # [H, D] -> [1, h, 1, D]: one scale per head and channel, shared by every token.
+        return absmax.to(self.device).index_select(0, index).unsqueeze(0).unsqueeze(2)
+
+    def _encode(self, x: torch.Tensor, spec: QuantSpec | None, absmax: torch.Tensor | None):
+        if spec is None:
+            return x.to(self.fp_dtype)
+        return quantize(x, spec, absmax)
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize whole groups of tokens leaving the window into the current run."""
+        layout = self._layout()
+        if not self._runs or self._runs[-1].layout != layout:
+            parts = [_Part(pl, torch.tensor(pl.heads, device=self.device)) for pl in layout]
+            self._runs.append(_Run(layout, parts))
+        run = self._runs[-1]
+        for part in run.parts:
+            pl = part.layout
+            k = keys if len(pl.heads) == self.num_heads else keys.index_select(1, part.index)
+            v = values if len(pl.heads) == self.num_heads else values.index_select(1, part.index)
+            k_new = self._encode(k, pl.key_spec, pl.key_spec and self._static_absmax(self.key_absmax, pl.key_spec, part.index))
+            v_new = self._encode(
+                v, pl.value_spec, pl.value_spec and self._static_absmax(self.value_absmax, pl.value_spec, part.index)
+            )
+            part.keys = k_new if part.keys is None else _cat(part.keys, k_new)
+            part.values = v_new if part.values is None else _cat(part.values, v_new)
+        run.length += keys.shape[-2]
+
+    # ------------------------------------------------------------------ update / read
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens; return (past as stored + new tokens as computed), each ``[B, H, T, D]``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        past_k, past_v = self.materialize(key_states.dtype)
+        self._append(key_states, value_states)
+        self._trim()
+        if past_k.shape[-2] == 0:
+            return key_states, value_states
+        return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        n = keys.shape[-2]
+        into_sinks = min(max(self.config.sinks - self.length, 0), n)
+        self.length += n
+        if into_sinks:
+            self._sinks_k = torch.cat([self._sinks_k, keys[..., :into_sinks, :].to(self.fp_dtype)], dim=-2)
+            self._sinks_v = torch.cat([self._sinks_v, values[..., :into_sinks, :].to(self.fp_dtype)], dim=-2)
+        if into_sinks < n:
+            self._win_k = torch.cat([self._win_k, keys[..., into_sinks:, :].to(self.fp_dtype)], dim=-2)
+            self._win_v = torch.cat([self._win_v, values[..., into_sinks:, :].to(self.fp_dtype)], dim=-2)
+        g, r = self.config.group_size, self.config.residual
+        leaving = (self._win_k.shape[-2] - r) // g * g
+        if leaving > 0:
+            k, v = self._win_k[..., :leaving, :], self._win_v[..., :leaving, :]
+            self._win_k, self._win_v = self._win_k[..., leaving:, :], self._win_v[..., leaving:, :]
+            self._store(k, v)
+
+    def _trim(self) -> None:
+        """Full-attention layers keep everything; sliding layers override this."""
+
+    def _run_tensors(self, run: _Run, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(run.parts) == 1:
+            part = run.parts[0]
+            return _decode(part.keys, dtype), _decode(part.values, dtype)
+        shape = (self.batch_size, self.num_heads, run.length, self.head_dim)
+        k = torch.empty(shape, dtype=dtype, device=self.device)
+        v = torch.empty(shape, dtype=dtype, device=self.device)
+        for part in run.parts:
+            k.index_copy_(1, part.index, _decode(part.keys, dtype))
+            v.index_copy_(1, part.index, _decode(part.values, dtype))
+        return k, v
+
+    def materialize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored past as the model sees it, ``[B, H, T_stored, D]`` each (overlay applied)."""
+        if not self.is_initialized:
+            raise RuntimeError(f"layer {self.layer_idx} holds no tokens yet")
+        dtype = dtype or self.fp_dtype
+        ks, vs = [self._sinks_k.to(dtype)], [self._sinks_v.to(dtype)]
+        for run in self._runs:
+            k, v = self._run_tensors(run, dtype)
+            ks.append(k)
+            vs.append(v)
+        ks.append(self._win_k.to(dtype))
+        vs.append(self._win_v.to(dtype))
+        keys, values = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        if self._overlay_pos is not None and self._overlay_pos.numel():
+            idx = self._overlay_pos - self.offset
+            keys.index_copy_(2, idx, self._overlay_k.to(dtype))
+            values.index_copy_(2, idx, self._overlay_v.to(dtype))
+        return keys, values
+
+    # ------------------------------------------------------------------ positions
+    @property
+    def stored_tokens(self) -> int:
+        return self.length - self.offset
+
+    def window_start(self) -> int:
+        """Absolute position of the first full-precision window token."""
+        return self.length - self._win_k.shape[-2]
+
+    def quantized_positions(self) -> torch.Tensor:
+        """Absolute positions currently held as codes in a quantized (non-fp16) part of some head."""
+        start = self.offset + self._sinks_k.shape[-2]
+        spans, pos = [], start
+        for run in self._runs:
+            if any(p.layout.precision.is_quantized for p in run.parts):
+                spans.append(torch.arange(pos, pos + run.length, device=self.device))
+            pos += run.length
+        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def write_fp(self, positions, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the stored K/V at absolute ``positions`` (``[P]``) by full-precision ``keys``/``values``
+        (``[B, H, P, D]``). Positions in the sinks or the window are overwritten in place; quantized ones go
+        to the overlay, which wins over their codes from then on.
+        """
+        if not self.is_initialized:
+            raise RuntimeError(f"layer {self.layer_idx} holds no tokens yet")
+        pos = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
+        expected = (self.batch_size, self.num_heads, pos.numel(), self.head_dim)
+        if tuple(keys.shape) != expected or tuple(values.shape) != expected:
+            raise ValueError(f"write_fp expects keys and values of shape {expected}, got {tuple(keys.shape)}, {tuple(values.shape)}")
+        if pos.numel() == 0:
+            return
+        if pos.unique().numel() != pos.numel():
+            raise ValueError("write_fp positions must be unique")
+        if int(pos.min()) < self.offset or int(pos.max()) >= self.length:
+            raise ValueError(
+                f"write_fp positions must lie in [{self.offset}, {self.length}) (the tokens layer {self.layer_idx} "
+                f"holds), got {int(pos.min())}..{int(pos.max())}"
+            )
+        if not (bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())):
+            raise ValueError("write_fp values must be finite")
+        keys, values = keys.to(self.fp_dtype), values.to(self.fp_dtype)
+        sinks_end = self.offset + self._sinks_k.shape[-2]
+        win_start = self.window_start()
+        in_sinks, in_window = pos < sinks_end, pos >= win_start
+        if bool(in_sinks.any()):
+            idx = pos[in_sinks] - self.offset
+            self._sinks_k[:, :, idx] = keys[:, :, in_sinks]
+            self._sinks_v[:, :, idx] = values[:, :, in_sinks]
+        if bool(in_window.any()):
+            idx = pos[in_window] - win_start
+            self._win_k[:, :, idx] = keys[:, :, in_window]
+            self._win_v[:, :, idx] = values[:, :, in_window]
+        rest = ~(in_sinks | in_window)
+        if bool(rest.any()):
+            self._merge_overlay(pos[rest], keys[:, :, rest], values[:, :, rest])
+
+    def _merge_overlay(self, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self._overlay_pos is not None:
+            keep = ~torch.isin(self._overlay_pos, pos)
+            pos = torch.cat([self._overlay_pos[keep], pos])
+            keys = torch.cat([self._overlay_k[:, :, keep], keys], dim=2)
+            values = torch.cat([self._overlay_v[:, :, keep], values], dim=2)
+        order = torch.argsort(pos)
+        self._overlay_pos = pos[order]
+        self._overlay_k, self._overlay_v = keys[:, :, order], values[:, :, order]
+
+    def overlay_positions(self) -> torch.Tensor:
+        """Absolute positions currently served from the full-precision overlay."""
+        if self._overlay_pos is None:
+            return torch.zeros(0, dtype=torch.long)
+        return self._overlay_pos.clone()
+
+    # ------------------------------------------------------------------ memory
+    def nbytes(self) -> int:
+        """Bytes of every stored tensor: sinks, codes, scales, zero points, window, overlay and its indices."""
+        if not self.is_initialized:
+            return 0
+        total = sum(_nbytes(t) for t in (self._sinks_k, self._sinks_v, self._win_k, self._win_v))
+        total += sum(part.nbytes() for run in self._runs for part in run.parts)
+        total += sum(_nbytes(t) for t in (self._overlay_pos, self._overlay_k, self._overlay_v))
+        return total
+
+    def reference_tokens(self) -> int:
+        """Tokens an FP16 cache of this layer type would hold now."""
+        return self.length
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an FP16 cache of the same shape would take (keys and values, 2 bytes per element)."""
+        if not self.is_initialized:
+            return 0
+        return 2 * 2 * self.batch_size * self.num_heads * self.head_dim * self.reference_tokens()
+
+    # ------------------------------------------------------------------ transformers' Cache protocol
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.stored_tokens + query_length, self.offset
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if not self.is_initialized:
+            return
+        self._sinks_k, self._sinks_v = fn(self._sinks_k), fn(self._sinks_v)
+        self._win_k, self._win_v = fn(self._win_k), fn(self._win_v)
+        for run in self._runs:
+            for part in run.parts:
+                part.keys, part.values = _map(part.keys, fn), _map(part.values, fn)
+        if self._overlay_k is not None:
+            self._overlay_k, self._overlay_v = fn(self._overlay_k), fn(self._overlay_v)
+        self.batch_size = self._win_k.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "KVGuardCache cannot be cropped (assisted or speculative decoding): quantized groups cannot be rolled back"
+        )
+
+    def offload(self):
+        raise NotImplementedError("KVGuardCache does not support offloading; its quantized storage is already small")
+
+    prefetch = offload
+
+
+class KVGuardSlidingLayer(KVGuardLayer):
+    """A sliding-window layer: keeps what the next query can still see (``sliding_window - 1`` tokens), plus
+    at most one partial group, since quantized tokens are dropped in whole groups. The attention mask hides
+    the extra tokens (``get_mask_sizes`` reports where the stored tokens start)."""
+
+    is_sliding = True
+
+    def __init__(self, precision=Precision.INT4, config: CacheConfig | None = None, layer_idx: int = 0, *, sliding_window: int):
+        super().__init__(precision, config, layer_idx)
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def reference_tokens(self) -> int:
+        return min(self.length, self.sliding_window - 1)
+
+    def _trim(self) -> None:
+        keep_from = max(0, self.length - (self.sliding_window - 1))
+        if keep_from <= self.offset:
+            return
+        sinks = self._sinks_k.shape[-2]
+        if sinks:
+            drop = min(sinks, keep_from - self.offset)
+            self._sinks_k, self._sinks_v = self._sinks_k[..., drop:, :], self._sinks_v[..., drop:, :]
+            self.offset += drop
+            if drop < sinks:
+                return
+        g = self.config.group_size
+        while self._runs:
+            run = self._runs[0]
+            drop = min(run.length, (keep_from - self.offset) // g * g)
+            if drop <= 0:
+                break
+            for part in run.parts:
+                part.keys, part.values = _drop(part.keys, drop), _drop(part.values, drop)
+            run.length -= drop
+            self.offset += drop
+            if run.length:
+                break
+            self._runs.pop(0)
+        if not self._runs:
+            drop = min(self._win_k.shape[-2], keep_from - self.offset)
+            if drop > 0:
+                self._win_k, self._win_v = self._win_k[..., drop:, :], self._win_v[..., drop:, :]
+                self.offset += drop
+        if self._overlay_pos is not None:
+            keep = self._overlay_pos >= self.offset
+            self._overlay_pos = self._overlay_pos[keep]
+            self._overlay_k, self._overlay_v = self._overlay_k[:, :, keep], self._overlay_v[:, :, keep]
+
+
+def _cat(a, b):
+    if isinstance(a, QuantizedTensor):
+        return QuantizedTensor.cat([a, b])
+    return torch.cat([a, b], dim=-2)
+
+
+def _decode(t, dtype: torch.dtype) -> torch.Tensor:
+    return t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t.to(dtype)
+
+
+def _drop(t, tokens: int):
+    return t.drop_front(tokens) if isinstance(t, QuantizedTensor) else t[..., tokens:, :]
+
+
+def _map(t, fn):
+    return t.map_batch(fn) if isinstance(t, QuantizedTensor) else fn(t)

