@@ -1,0 +1,200 @@
+"""Unit tests of one cache layer on synthetic K/V (fast, no model)."""
+
+import pytest
+import torch
+
+from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
+from kvguard.config import CacheConfig
+from kvguard.quantizer import Axis, QuantSpec, quantize
+
+B, H, D = 2, 3, 16
+CFG = CacheConfig(residual=8, sinks=2, group_size=4, fp_dtype="float32")
+
+
+def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, n, D, generator=gen), torch.randn(B, H, n, D, generator=gen)
+
+
+def feed(layer: KVGuardLayer, keys: torch.Tensor, values: torch.Tensor, chunk: int) -> None:
+    for start in range(0, keys.shape[-2], chunk):
+        layer.update(keys[..., start:start + chunk, :], values[..., start:start + chunk, :])
+
+
+def expected_layout(keys, values, cfg, precision="int4"):
+    """Reference: sinks exact, whole groups past the window quantized per block, window exact."""
+    n = keys.shape[-2]
+    quantized = (n - cfg.sinks - cfg.residual) // cfg.group_size * cfg.group_size
+    start, end = cfg.sinks, cfg.sinks + max(quantized, 0)
+    k, v = keys.clone(), values.clone()
+    if end > start:
+        ks, vs = QuantSpec(precision, Axis.CHANNEL, cfg.group_size), QuantSpec(precision, Axis.TOKEN, cfg.group_size)
+        for g0 in range(start, end, cfg.group_size):
+            sl = slice(g0, g0 + cfg.group_size)
+            k[..., sl, :] = quantize(keys[..., sl, :], ks).dequantize()
+            v[..., sl, :] = quantize(values[..., sl, :], vs).dequantize()
+    return k, v, end
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 50])
+def test_layout_matches_reference_for_any_chunking(chunk):
+    keys, values = kv(50, 0)
+    layer = KVGuardLayer("int4", CFG)
+    feed(layer, keys, values, chunk)
+    exp_k, exp_v, q_end = expected_layout(keys, values, CFG)
+    got_k, got_v = layer.materialize(torch.float32)
+    torch.testing.assert_close(got_k, exp_k, atol=0, rtol=0)
+    torch.testing.assert_close(got_v, exp_v, atol=0, rtol=0)
+    window = 50 - q_end
+    assert CFG.residual <= window < CFG.residual + CFG.group_size
+    assert layer.quantized_positions().tolist() == list(range(CFG.sinks, q_end))
+
+
+def test_tokens_are_quantized_once():
+    keys, values = kv(40, 1)
+    layer = KVGuardLayer("int2", CFG)
+    feed(layer, keys[..., :30, :], values[..., :30, :], 1)
+    before, _ = layer.materialize(torch.float32)
+    frozen = layer.quantized_positions()
+    feed(layer, keys[..., 30:, :], values[..., 30:, :], 1)
+    after, _ = layer.materialize(torch.float32)
+    # Positions already quantized decode to exactly the same values after more tokens arrive.
+    torch.testing.assert_close(after[..., frozen, :], before[..., frozen, :], atol=0, rtol=0)
+
+
+def test_update_returns_new_tokens_unchanged_after_the_stored_past():
+    keys, values = kv(30, 2)
+    layer = KVGuardLayer("int4", CFG)
+    feed(layer, keys[..., :29, :], values[..., :29, :], 29)
+    past_k, _ = layer.materialize(torch.float32)
+    out_k, out_v = layer.update(keys[..., 29:, :], values[..., 29:, :])
+    assert out_k.shape == (B, H, 30, D)
+    torch.testing.assert_close(out_k[..., :29, :], past_k, atol=0, rtol=0)
+    torch.testing.assert_close(out_k[..., 29:, :], keys[..., 29:, :], atol=0, rtol=0)
+    assert layer.get_seq_length() == 30 and layer.get_mask_sizes(1) == (31, 0)
+
+
+def test_per_head_precision():
+    keys, values = kv(40, 3)
+    layer = KVGuardLayer(["fp16", "int8", "int2"], CFG)
+    feed(layer, keys, values, 40)
+    got_k, _ = layer.materialize(torch.float32)
+    q = layer.quantized_positions()
+    err = [(got_k[:, h, q] - keys[:, h, q]).abs().max().item() for h in range(H)]
+    assert err[0] == 0.0  # fp16 tier stored unquantized (fp_dtype float32 here)
+    assert 0.0 < err[1] < err[2]
+
+
+def test_set_precision_applies_to_tokens_stored_afterwards():
+    keys, values = kv(60, 4)
+    layer = KVGuardLayer("int2", CFG)
+    feed(layer, keys[..., :30, :], values[..., :30, :], 1)
+    first = layer.quantized_positions()
+    layer.set_precision("int8")
+    feed(layer, keys[..., 30:, :], values[..., 30:, :], 1)
+    got_k, _ = layer.materialize(torch.float32)
+    later = layer.quantized_positions()[first.numel():]
+    err_first = (got_k[..., first, :] - keys[..., first, :]).abs().mean()
+    err_later = (got_k[..., later, :] - keys[..., later, :]).abs().mean()
+    assert later.numel() > 0 and err_later < err_first / 10
+    assert layer.precision.value == "int8"
+
+
+def test_write_fp_overlay_wins_over_codes_and_updates_window():
+    keys, values = kv(40, 5)
+    layer = KVGuardLayer("int2", CFG)
+    feed(layer, keys, values, 40)
+    quantized = layer.quantized_positions()
+    pos = torch.tensor([int(quantized[0]), int(quantized[-1]), 39])  # two quantized, one in the window
+    new_k, new_v = torch.full((B, H, 3, D), 7.0), torch.full((B, H, 3, D), -7.0)
+    before = layer.nbytes()
+    layer.write_fp(pos, new_k, new_v)
+    got_k, got_v = layer.materialize(torch.float32)
+    assert torch.equal(got_k[..., pos, :], new_k) and torch.equal(got_v[..., pos, :], new_v)
+    assert layer.overlay_positions().tolist() == pos[:2].tolist()
+    # Overlay bytes: 2 positions x (K + V) x B x H x D float32 values + 2 int64 indices.
+    assert layer.nbytes() - before == 2 * 2 * B * H * D * 4 + 2 * 8
+    # Rewriting a position replaces it rather than adding a second copy.
+    layer.write_fp(pos[:1], new_k[..., :1, :] * 2, new_v[..., :1, :] * 2)
+    assert layer.overlay_positions().tolist() == pos[:2].tolist()
+    assert torch.equal(layer.materialize(torch.float32)[0][..., pos[0], :], new_k[..., 0, :] * 2)
+
+
+def test_write_fp_rejects_bad_input():
+    keys, values = kv(20, 6)
+    layer = KVGuardLayer("int4", CFG)
+    feed(layer, keys, values, 20)
+    good = torch.zeros(B, H, 1, D)
+    with pytest.raises(ValueError, match=r"\[0, 20\)"):
+        layer.write_fp([20], good, good)
+    with pytest.raises(ValueError, match="shape"):
+        layer.write_fp([3], torch.zeros(B, H, 2, D), good)
+    with pytest.raises(ValueError, match="unique"):
+        layer.write_fp([3, 3], torch.zeros(B, H, 2, D), torch.zeros(B, H, 2, D))
+    with pytest.raises(ValueError, match="finite"):
+        layer.write_fp([3], torch.full((B, H, 1, D), float("nan")), good)
+
+
+def test_nbytes_hand_computed():
+    cfg = CacheConfig(residual=8, sinks=2, group_size=4, fp_dtype="float16")
+    keys, values = kv(42, 7)
+    layer = KVGuardLayer("int4", cfg)
+    feed(layer, keys, values, 42)
+    # 2 sinks + 32 quantized (8 groups) + 8 window tokens.
+    fp_tokens, q_tokens = 2 + 8, 32
+    fp_bytes = 2 * B * H * fp_tokens * D * 2
+    key_q = B * H * q_tokens * D // 2 + 2 * (B * H * (q_tokens // 4) * D * 2)  # codes + scale + zero point
+    val_q = B * H * q_tokens * D // 2 + 2 * (B * H * q_tokens * (D // 4) * 2)
+    assert layer.nbytes() == fp_bytes + key_q + val_q
+    assert layer.fp16_nbytes() == 2 * 2 * B * H * 42 * D
+
+
+def test_static_int8_scales_are_used_and_shared():
+    keys, values = kv(40, 8)
+    layer = KVGuardLayer("int8", CFG)
+    absmax = keys.abs().amax(dim=(0, 2))  # [H, D], as calibration would record
+    layer.set_static_scales(absmax, values.abs().amax(dim=(0, 2)))
+    feed(layer, keys, values, 40)
+    part = layer._runs[0].parts[0]
+    assert part.keys.spec.static and part.keys.scale.shape == (1, H, 1, D)
+    got_k, _ = layer.materialize(torch.float32)
+    q = layer.quantized_positions()
+    step = (absmax / 127).max()
+    assert (got_k[..., q, :] - keys[..., q, :]).abs().max() <= step
+    with pytest.raises(ValueError, match=r"\[H_kv, D\]"):
+        layer.set_static_scales(torch.ones(H), None)
+
+
+def test_sliding_layer_keeps_what_the_window_needs_and_reports_mask_sizes():
+    window = 12
+    layer = KVGuardSlidingLayer("int4", CFG, sliding_window=window)
+    keys, values = kv(60, 9)
+    for t in range(60):
+        expected_len, offset = layer.get_mask_sizes(1)
+        out_k, _ = layer.update(keys[..., t:t + 1, :], values[..., t:t + 1, :])
+        assert out_k.shape[-2] == expected_len
+        assert offset == layer.length - 1 - (expected_len - 1)  # returned tensor ends at the new token
+        assert t + 1 - layer.offset >= min(t + 1, window - 1)  # everything the next query can see is kept
+    assert layer.stored_tokens < window - 1 + CFG.group_size + CFG.sinks
+    assert layer.fp16_nbytes() == 2 * 2 * B * H * D * (window - 1)
+
+
+def test_batch_reorder_and_select():
+    keys, values = kv(30, 10)
+    layer = KVGuardLayer("int4", CFG)
+    feed(layer, keys, values, 30)
+    full_k, _ = layer.materialize(torch.float32)
+    layer.reorder_cache(torch.tensor([1, 0]))
+    torch.testing.assert_close(layer.materialize(torch.float32)[0], full_k.flip(0), atol=0, rtol=0)
+    layer.batch_select_indices(torch.tensor([0]))
+    torch.testing.assert_close(layer.materialize(torch.float32)[0], full_k[1:], atol=0, rtol=0)
+    assert layer.batch_size == 1
+
+
+def test_precision_errors_name_valid_values():
+    with pytest.raises(ValueError, match=r"\[fp16, int8, int4, int2\]"):
+        KVGuardLayer("int3", CFG)
+    layer = KVGuardLayer(["int4"] * H, CFG)
+    feed(layer, *kv(4, 11), 4)
+    with pytest.raises(ValueError, match="3 KV heads"):
+        layer.set_precision(["int4", "int8"])
