@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from kvguard import data
 from kvguard.cache import KVGuardCache
 from kvguard.config import CacheConfig
+from kvguard.evaluate import score_stream
 
 pytestmark = pytest.mark.slow
 
@@ -72,25 +73,13 @@ def test_int8_top1_agreement_with_fp16_over_256_teacher_forced_tokens(smollm2):
     assert agreement >= 0.99
 
 
-def _chunked_nll(model, ids: torch.Tensor, cache, chunk: int) -> float:
-    """Mean next-token NLL with the text fed in chunks, each attending to the cached past."""
-    losses = []
-    with torch.no_grad():
-        for start in range(0, ids.shape[1], chunk):
-            logits = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True).logits
-            targets = ids[:, start + 1:start + chunk + 1]
-            logits = logits[:, : targets.shape[1]]
-            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"))
-    return (torch.stack(losses).sum() / (ids.shape[1] - 1)).item()
-
-
 def test_int4_stores_at_most_35_percent_at_2048_tokens_and_keeps_quality(smollm2):
     model, tok = smollm2
     ids = data.token_stream("long", "eval", tok, 2048).unsqueeze(0)
     fp = KVGuardCache(model.config, "fp16")
     q4 = KVGuardCache(model.config, "int4")
-    nll_fp = _chunked_nll(model, ids, fp, 256)
-    nll_q4 = _chunked_nll(model, ids, q4, 256)
+    nll_fp = score_stream(model, ids, fp, chunk=256).nll
+    nll_q4 = score_stream(model, ids, q4, chunk=256).nll
     assert q4.get_seq_length() == 2048
     assert fp.bytes_ratio() == 1.0
     assert q4.bytes_ratio() <= 0.35

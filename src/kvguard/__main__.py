@@ -1,0 +1,5 @@
+import sys
+
+from kvguard.cli import main
+
+sys.exit(main())

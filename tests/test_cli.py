@@ -1,0 +1,30 @@
+import subprocess
+import sys
+
+import pytest
+
+from kvguard import cli
+
+
+def test_help_lists_the_subcommands():
+    out = subprocess.run([sys.executable, "-m", "kvguard", "--help"], capture_output=True, text=True, check=True).stdout
+    for name in ("models", "run", "eval", "calibrate", "generate", "serve", "report", "export"):
+        assert name in out
+
+
+def test_planned_subcommand_says_so(capsys):
+    assert cli.main(["serve"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert cli.main(["run", "--model", "nope"]) == 2
+    assert "embedded model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_models_lists_both_embedded_models(capsys):
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "| smollm2-135m | llama" in out and "9 / 3" in out and "30x full_attention" in out
+    assert "| gemma3-270m" in out and "4 / 1" in out and "15x sliding_attention, 3x full_attention (window 512)" in out
