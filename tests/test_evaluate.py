@@ -1,35 +1,63 @@
-import math
+"""`kvguard eval` end to end on the real SmolLM2 (short streams) and the harness's contracts."""
+
+import json
 
 import pytest
-import torch
 
-from kvguard.evaluate import score_stream
+from kvguard import cli, evaluate, methods
 
-
-class FixedLogits(torch.nn.Module):
-    """A stand-in model whose next-token logits are fixed: log-probabilities [log .5, log .25, log .25]."""
-
-    device = torch.device("cpu")
-
-    def forward(self, input_ids, cache=None, use_cache=True):
-        n = input_ids.shape[1]
-        logits = torch.log(torch.tensor([0.5, 0.25, 0.25])).expand(1, n, 3)
-        cache.append(n)
-        return type("Out", (), {"logits": logits})()
+FIELDS = {"method", "corpus", "mode", "kv_bytes", "kv_bytes_ratio", "ppl", "ppl_delta_pct", "kl", "top1_agree",
+          "tok_s", "trigger_rate", "recompute_fraction", "error"}
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 5])
-def test_nll_hand_computed(chunk):
-    ids = torch.tensor([0, 0, 1, 2, 0])  # predictions: 0, 1, 2, 0 -> -log(.5), -log(.25), -log(.25), -log(.5)
-    seen = []
-    score = score_stream(FixedLogits(), ids, seen, chunk=chunk, keep_logits=True)
-    expected = (2 * math.log(2) + 2 * math.log(4)) / 4
-    assert score.nll == pytest.approx(expected, abs=1e-6)
-    assert score.perplexity == pytest.approx(math.exp(expected))
-    assert sum(seen) == 4 and max(seen) <= chunk  # the last token is never fed: it has no target
-    assert score.logits.shape == (4, 3)
+def test_unknown_method_lists_valid_ones(capsys):
+    assert cli.main(["eval", "--methods", "fp16,int5"]) == 2
+    assert "kivi-4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="calibration profile"):
+        methods.get("kvguard")
 
 
-def test_too_short_stream_is_refused():
-    with pytest.raises(ValueError, match="at least 2 tokens"):
-        score_stream(FixedLogits(), torch.tensor([1]), [], chunk=1)
+def test_markdown_table_marks_unsupported_rows():
+    rows = [evaluate.Row("fp16", "prose", "simulated", 10, 1.0, 5.0, 0.0, 0.0, 1.0, 100.0),
+            evaluate.Row("hf-quanto-4", "prose", "streamed", error="refuses sliding layers")]
+    table = evaluate.markdown_table(rows).splitlines()
+    assert table[0].count("|") == table[1].count("|") == table[2].count("|")
+    assert "unsupported: refuses sliding layers" in table[3]
+
+
+@pytest.mark.slow
+def test_eval_json_contract_and_fp16_reference(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    code = cli.main(["eval", "--model", "smollm2-135m", "--methods", "fp16,int4,kivi-2,hf-quanto-4",
+                     "--corpus", "prose,code", "--tokens", "192", "--json", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| prose | int4 | simulated |" in table and "| code | hf-quanto-4 | streamed |" in table
+    payload = json.loads(out.read_text())
+    assert payload["model"] == "smollm2-135m" and payload["tokens"] == 192 and payload["chunk"] == 1
+    rows = payload["results"]
+    assert {(r["method"], r["corpus"]) for r in rows} == {
+        (m, c) for m in ("fp16", "int4", "kivi-2", "hf-quanto-4") for c in ("prose", "code")}
+    for r in rows:
+        assert set(r) == FIELDS and r["error"] is None
+        assert r["ppl"] > 1 and r["kl"] >= 0 and 0 <= r["top1_agree"] <= 1 and r["tok_s"] > 0
+        assert r["trigger_rate"] is None and r["recompute_fraction"] is None
+        if r["method"] == "fp16":
+            assert r["ppl_delta_pct"] == 0.0 and r["top1_agree"] == 1.0 and r["kl"] == 0.0
+            assert r["kv_bytes_ratio"] == 1.0
+        else:
+            assert r["kv_bytes_ratio"] < 1.0
+    kivi2 = next(r for r in rows if r["method"] == "kivi-2" and r["corpus"] == "prose")
+    assert kivi2["kl"] > 0 and kivi2["ppl_delta_pct"] != 0.0
+
+
+@pytest.mark.slow
+def test_eval_streams_when_chunked_and_reads_text_files(tmp_path, capsys):
+    text = tmp_path / "notes.txt"
+    text.write_text("Quantized caches trade memory for error. " * 60)
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", "--methods", "fp16,int8", "--text-file", str(text), "--tokens", "128",
+                     "--chunk", "16", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in rows] == ["streamed", "streamed"] and rows[0]["corpus"] == "notes.txt"
+    assert rows[1]["top1_agree"] >= 0.9

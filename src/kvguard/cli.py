@@ -11,13 +11,15 @@ from kvguard import __version__
 
 # Subcommands that later work adds; listed so `kvguard --help` shows the whole shape of the tool.
 _PLANNED = {
-    "eval": "quality, memory and speed through the cache, side by side with peers (planned)",
     "calibrate": "model-specific calibration: statistics, sensitivity, mixed-precision plan (planned)",
     "generate": "decode with live entropy monitoring and compensation (planned)",
     "serve": "OpenAI-compatible server with Prometheus metrics (planned)",
     "report": "plots and an HTML page for a calibration profile (planned)",
     "export": "calibrated scales for vLLM / SGLang (planned)",
 }
+
+
+DEFAULT_METHODS = "fp16,int8,int4,int2,kivi-4,kivi-2,hf-quanto-4,hf-quanto-2,hf-hqq-4"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -62,9 +64,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from kvguard import data, models
+    from kvguard import data, evaluate, models
     from kvguard.cache import KVGuardCache
-    from kvguard.evaluate import score_stream
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -90,20 +91,66 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"--- {new} tokens in {dt:.1f} s ({new / dt:.1f} tok/s); KV cache {_fmt_bytes(cache.nbytes())} "
           f"vs {_fmt_bytes(cache.fp16_nbytes())} in FP16: {100 * (1 - cache.bytes_ratio()):.1f} % saved ---\n")
 
+    print(f"evaluation: {args.tokens} tokens of held-out Wikipedia text, decoded token by token through each cache "
+          f"(static methods by the exact parallel simulation), side by side with transformers' own quantized caches",
+          flush=True)
     ids = data.token_stream("prose", "eval", tok, args.tokens)
-    print(f"perplexity through the cache: {args.tokens} tokens of held-out Wikipedia text, "
-          f"fed in chunks of {args.chunk} so each chunk attends to the stored (quantized) past", flush=True)
-    rows, ref = [], None
-    for precision in ("fp16", "int8", "int4", "int2"):
-        cache = KVGuardCache(model.config, precision)
-        t0 = time.perf_counter()
-        score = score_stream(model, ids, cache, chunk=args.chunk, progress=True, desc=precision)
-        ref = score.perplexity if ref is None else ref
-        rows.append([
-            precision, _fmt_bytes(cache.nbytes()), f"{cache.bytes_ratio():.3f}", f"{100 * (1 - cache.bytes_ratio()):.1f} %",
-            f"{score.perplexity:.3f}", f"{100 * (score.perplexity / ref - 1):+.2f} %", f"{time.perf_counter() - t0:.1f} s",
-        ])
-    _print_table(["cache", "KV bytes", "vs FP16", "saved", "ppl", "ppl delta", "time"], rows)
+    rows = evaluate.evaluate_stream(model, ids, "prose", _csv(args.methods))
+    print(evaluate.markdown_table(rows))
+    return 0
+
+
+def _csv(text: str, kind=str) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Methods side by side on the same tokens: perplexity task, pass-key retrieval, or decode speed."""
+    from kvguard import data, evaluate, methods, models, passkey, speed
+
+    names = _csv(args.methods)
+    try:
+        for name in names:
+            methods.get(name)
+    except ValueError as err:
+        print(f"kvguard eval: error: {err}", file=sys.stderr)
+        return 2
+    if args.profile:
+        print("kvguard eval: error: --profile needs the calibration issue's `kvguard calibrate`; not available yet",
+              file=sys.stderr)
+        return 2
+
+    if args.task == "speed":
+        rows = speed.run(args.model, names, _csv(args.contexts, int), args.new_tokens)
+        print(speed.markdown_table(rows))
+        if args.json:
+            evaluate.write_json(args.json, {"model": args.model, "task": "speed", "new_tokens": args.new_tokens, "results": rows})
+        return 0
+
+    model, tok = models.load(args.model)
+    if args.task == "passkey":
+        results = []
+        for name in ["fp16"] + [n for n in names if n != "fp16"]:
+            results += passkey.run(model, tok, methods.get(name), _csv(args.lengths, int), _csv(args.depths, float), args.trials)
+        print("| method | length | depth | accuracy | trials |\n|---|---|---|---|---|")
+        for r in results:
+            print(f"| {r.method} | {r.length} | {r.depth} | {r.accuracy:.2f} | {r.trials} |")
+        if args.json:
+            evaluate.write_json(args.json, {"model": args.model, "task": "passkey",
+                                            "results": [dict(vars(r), accuracy=r.accuracy) for r in results]})
+        return 0
+
+    if args.text_file:
+        streams = {os.path.basename(args.text_file): data.load_text_file(args.text_file, tok, args.tokens)}
+    else:
+        streams = {c: data.token_stream(c, "eval", tok, args.tokens) for c in _csv(args.corpus)}
+    rows = []
+    for corpus, ids in streams.items():
+        rows += evaluate.evaluate_stream(model, ids, corpus, names, chunk=args.chunk, simulate=args.simulate)
+    print(evaluate.markdown_table(rows))
+    if args.json:
+        tokens = max(ids.numel() for ids in streams.values())
+        evaluate.write_json(args.json, evaluate.rows_payload(args.model, tokens, args.chunk, rows))
     return 0
 
 
@@ -131,9 +178,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="int4", choices=["fp16", "int8", "int4", "int2"],
                    help="cache precision for the generation demo (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default: %(default)s)")
-    p.add_argument("--tokens", type=int, default=1024, help="held-out tokens for the perplexity table (default: %(default)s)")
-    p.add_argument("--chunk", type=int, default=64, help="tokens per forward pass when scoring (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=1024, help="held-out tokens for the evaluation table (default: %(default)s)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="methods in the evaluation table (default: %(default)s)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("eval", help="quality, memory and speed through the cache, side by side with peers")
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or local model folder (default: %(default)s)")
+    p.add_argument("--profile", help="calibration profile (for the kvguard / kvguard-live methods)")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (default: %(default)s)")
+    p.add_argument("--task", default="ppl", choices=["ppl", "passkey", "speed"], help="what to measure (default: %(default)s)")
+    p.add_argument("--corpus", default="prose", help="comma-separated eval corpora: prose, code, dialog, long (default: %(default)s)")
+    p.add_argument("--text-file", help="evaluate this UTF-8 text file instead of a corpus")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per text (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=1, help="tokens per forward pass; 1 = true decoding (default: %(default)s)")
+    p.add_argument("--simulate", default="auto", choices=["auto", "on", "off"],
+                   help="score static methods by the exact parallel simulation of chunk-1 decoding (default: %(default)s)")
+    p.add_argument("--json", help="also write the results as JSON to this file")
+    p.add_argument("--lengths", default="1024,2048,4096", help="passkey: prompt lengths (default: %(default)s)")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="passkey: needle depths (default: %(default)s)")
+    p.add_argument("--trials", type=int, default=3, help="passkey: prompts per length and depth (default: %(default)s)")
+    p.add_argument("--contexts", default="1024,4096", help="speed: context lengths (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=64, help="speed: decode steps timed (default: %(default)s)")
+    p.set_defaults(func=cmd_eval)
 
     for name, text in _PLANNED.items():
         sub.add_parser(name, help=text).set_defaults(func=_planned(name))

@@ -52,6 +52,7 @@ __all__ = [
     "samples",
     "split_of",
     "token_stream",
+    "wants_bos",
 ]
 
 CORPORA: tuple[str, ...] = ("prose", "dialog", "code", "long")
@@ -583,6 +584,11 @@ def _encode_prefix(tokenizer: Any, text: str, n: int) -> list[int]:
         if len(ids) >= n + _PREFIX_MARGIN_TOKENS:
             return ids[:n]
     return _encode(tokenizer, text)[:n]
+
+
+def wants_bos(tokenizer: Any) -> bool:
+    """Whether texts for this tokenizer's model start with BOS (the tokenizer adds it itself)."""
+    return _resolve_bos(tokenizer, None) is not None
 
 
 def _resolve_bos(tokenizer: Any, add_bos: bool | None) -> int | None:

@@ -1,52 +1,141 @@
-"""Quality measured through the cache, the way decoding sees it."""
+"""The evaluation harness behind ``kvguard eval``: methods side by side on the same tokens, in one run."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
-from transformers.cache_utils import Cache
+
+from kvguard import methods as methods_mod
+from kvguard.models import Architecture
+from kvguard.scoring import StreamScore, score_simulated, score_stream
 
 
-@dataclass(frozen=True)
-class StreamScore:
-    """Teacher-forced scores of one token stream.
+@dataclass
+class Row:
+    """One method on one text. Ratios and deltas are against ``fp16`` in the same run."""
 
-    Attributes:
-        nll: mean next-token negative log-likelihood (nats) over ``tokens - 1`` predictions.
-        tokens: length of the stream.
-        logits: ``[tokens - 1, vocab]`` float32 next-token logits when kept, else ``None``.
-    """
+    method: str
+    corpus: str
+    mode: str  # "simulated" (one parallel pass, exact chunk-1 semantics) or "streamed"
+    kv_bytes: int | None = None
+    kv_bytes_ratio: float | None = None
+    ppl: float | None = None
+    ppl_delta_pct: float | None = None
+    kl: float | None = None
+    top1_agree: float | None = None
+    tok_s: float | None = None
+    trigger_rate: float | None = None
+    recompute_fraction: float | None = None
+    error: str | None = None
 
-    nll: float
-    tokens: int
-    logits: torch.Tensor | None = None
 
-    @property
-    def perplexity(self) -> float:
-        return math.exp(self.nll)
+def _log(message: str) -> None:
+    print(f"[kvguard eval] {message}", file=sys.stderr, flush=True)
 
 
-@torch.no_grad()
-def score_stream(model, input_ids: torch.Tensor, cache: Cache, *, chunk: int = 1, keep_logits: bool = False,
-                 progress: bool = False, desc: str = "scoring") -> StreamScore:
-    """Feed ``input_ids`` (``[T]`` or ``[1, T]``) through ``model`` in chunks of ``chunk`` tokens, each chunk
-    attending to the cached (possibly quantized) past, and score every next-token prediction."""
-    ids = input_ids.reshape(1, -1).to(model.device)
-    total = ids.shape[1]
-    if total < 2:
-        raise ValueError(f"need at least 2 tokens to score, got {total}")
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    nll_sum = torch.zeros((), dtype=torch.float64)
-    kept = []
-    for start in tqdm(range(0, total - 1, chunk), desc=desc, unit="chunk", disable=not progress, leave=False):
-        piece = ids[:, start:min(start + chunk, total - 1)]
-        logits = model(input_ids=piece, cache=cache, use_cache=True).logits[0].float()
-        targets = ids[0, start + 1:start + 1 + piece.shape[1]]
-        nll_sum += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").double().cpu()
-        if keep_logits:
-            kept.append(logits.cpu())
-    return StreamScore((nll_sum / (total - 1)).item(), total, torch.cat(kept) if keep_logits else None)
+def _use_simulation(method: methods_mod.Method, chunk: int, simulate: str) -> bool:
+    return simulate != "off" and chunk == 1 and method.simulatable
+
+
+def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[str], *, chunk: int = 1,
+                    simulate: str = "auto", progress: bool = True) -> list[Row]:
+    """Score every method on ``ids`` (``[T]``); the first row is ``fp16``, the reference for the others."""
+    if simulate not in ("auto", "on", "off"):
+        raise ValueError(f"simulate has to be one of ['auto', 'on', 'off'] but got {simulate!r}")
+    names = ["fp16"] + [n for n in method_names if n != "fp16"]
+    resolved = [methods_mod.get(n) for n in names]  # unknown names fail before any work
+    if simulate == "on":
+        bad = [m.name for m in resolved if not m.simulatable]
+        if bad or chunk != 1:
+            raise ValueError(f"--simulate on needs chunk 1 and static methods; not simulatable: {bad}")
+    arch = Architecture.from_config(model.config)
+    tokens = ids.numel()
+    rows: list[Row] = []
+    reference = None
+    for method in resolved:
+        simulated = _use_simulation(method, chunk, simulate)
+        if progress:
+            _log(f"{corpus}: {method.name} ({'simulated' if simulated else f'streamed, chunk {chunk}'}, {tokens} tokens)")
+        row = Row(method.name, corpus, "simulated" if simulated else "streamed")
+        try:
+            if simulated:
+                plan = method.plan(arch)
+                score = score_simulated(model, ids, plan, reference=reference, keep_logits=reference is None)
+                stored, fp16 = methods_mod.static_kv_bytes(plan, model.config, tokens - 1)
+            else:
+                cache = method.make_cache(model)
+                score = score_stream(model, ids, cache, chunk=chunk, reference=reference,
+                                     keep_logits=reference is None, progress=progress, desc=method.name)
+                stored, fp16 = methods_mod.kv_bytes(cache)
+        except Exception as err:  # a peer refusing a model is a result, not a crash
+            from kvguard.peers import PeerUnsupported
+
+            if not isinstance(err, PeerUnsupported):
+                raise
+            row.error = str(err)
+            rows.append(row)
+            continue
+        if reference is None:
+            reference = torch.log_softmax(score.logits, dim=-1)
+            score = StreamScore(score.nll, score.tokens, 0.0, 1.0, score.seconds)
+        _fill(row, score, stored, fp16)
+        rows.append(row)
+    ref_ppl = rows[0].ppl
+    for row in rows:
+        if row.ppl is not None:
+            row.ppl_delta_pct = 100.0 * (row.ppl / ref_ppl - 1.0)
+    return rows
+
+
+def _fill(row: Row, score: StreamScore, stored: int, fp16: int) -> None:
+    row.kv_bytes = stored
+    row.kv_bytes_ratio = stored / fp16 if fp16 else None
+    row.ppl = score.perplexity
+    row.kl = score.kl
+    row.top1_agree = score.top1_agree
+    row.tok_s = (score.tokens - 1) / score.seconds if score.seconds else None
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The rows as a markdown table (what ``kvguard eval`` prints)."""
+    head = "| corpus | method | mode | kv_bytes_ratio | ppl | ppl_delta_pct | kl | top1_agree | tok_s | trigger_rate | recompute_fraction |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.corpus} | {r.method} | {r.mode} | unsupported: {r.error} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r.corpus} | {r.method} | {r.mode} | {_fmt(r.kv_bytes_ratio, '.3f')} | {_fmt(r.ppl, '.3f')} | "
+            f"{_fmt(r.ppl_delta_pct, '+.2f')} | {_fmt(r.kl, '.5f')} | {_fmt(r.top1_agree, '.4f')} | "
+            f"{_fmt(r.tok_s, '.1f')} | {_fmt(r.trigger_rate, '.4f')} | {_fmt(r.recompute_fraction, '.4f')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> None:
+    """Write ``payload`` as JSON atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def rows_payload(model_name: str, tokens: int, chunk: int, rows: list[Row]) -> dict:
+    return {"model": model_name, "tokens": tokens, "chunk": chunk, "results": [asdict(r) for r in rows]}

@@ -1,0 +1,85 @@
+"""A static quantization plan: what every layer and KV head stores, and how.
+
+A plan is what calibration produces and what the cache and the fast simulation both consume, so one object
+describes a method exactly whichever way it is evaluated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvguard.config import CacheConfig
+from kvguard.models import Architecture
+from kvguard.precision import Precision
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer: a precision per KV head and the clipping ratios of its quantization ranges."""
+
+    precision: tuple[Precision, ...]
+    key_clip: float = 1.0
+    value_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", tuple(Precision.parse(p) for p in self.precision))
+        if not self.precision:
+            raise ValueError("a LayerPlan needs at least one KV head precision")
+        for name in ("key_clip", "value_clip"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+
+    @property
+    def uniform(self) -> Precision | None:
+        """The layer's precision when all heads share it, else ``None``."""
+        return self.precision[0] if len(set(self.precision)) == 1 else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-layer storage plan plus the cache layout it runs with."""
+
+    layers: tuple[LayerPlan, ...]
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    @classmethod
+    def uniform(cls, arch: Architecture, precision: Precision | str, cache: CacheConfig | None = None) -> "Plan":
+        """Every head of every layer at ``precision``."""
+        layer = LayerPlan((Precision.parse(precision),) * arch.num_kv_heads)
+        return cls((layer,) * arch.num_layers, cache or CacheConfig())
+
+    def check(self, arch: Architecture) -> None:
+        """Raise ``ValueError`` unless the plan fits ``arch`` (layer and KV head counts)."""
+        if len(self.layers) != arch.num_layers:
+            raise ValueError(f"plan has {len(self.layers)} layers, the model has {arch.num_layers}")
+        for i, lp in enumerate(self.layers):
+            if len(lp.precision) != arch.num_kv_heads:
+                raise ValueError(f"plan layer {i} has {len(lp.precision)} head precisions, the model has {arch.num_kv_heads} KV heads")
+
+    def make_cache(self, model_config):
+        """A fresh :class:`~kvguard.cache.KVGuardCache` that stores tokens as this plan says."""
+        from kvguard.cache import KVGuardCache
+
+        arch = Architecture.from_config(model_config)
+        self.check(arch)
+        cache = KVGuardCache(arch, [lp.uniform or lp.precision for lp in self.layers], self.cache)
+        for layer, lp in zip(cache.layers, self.layers):
+            layer.set_clip(lp.key_clip, lp.value_clip)
+        return cache
+
+    def to_dict(self) -> dict:
+        return {
+            "cache": self.cache.to_dict(),
+            "layers": [
+                {"precision": [p.value for p in lp.precision], "key_clip": lp.key_clip, "value_clip": lp.value_clip}
+                for lp in self.layers
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        layers = tuple(
+            LayerPlan(tuple(entry["precision"]), entry.get("key_clip", 1.0), entry.get("value_clip", 1.0))
+            for entry in data["layers"]
+        )
+        return cls(layers, CacheConfig.from_dict(data.get("cache", {})))
