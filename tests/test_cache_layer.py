@@ -198,3 +198,11 @@ def test_precision_errors_name_valid_values():
     feed(layer, *kv(4, 11), 4)
     with pytest.raises(ValueError, match="3 KV heads"):
         layer.set_precision(["int4", "int8"])
+
+
+def test_sliding_fp16_layer_keeps_exactly_what_the_window_needs():
+    cfg = CacheConfig(residual=8, sinks=2, group_size=4, fp_dtype="float16")
+    layer = KVGuardSlidingLayer("fp16", cfg, sliding_window=12)
+    feed(layer, *kv(60, 12), 1)
+    assert layer.stored_tokens == 11 and layer.offset == 49
+    assert layer.nbytes() == layer.fp16_nbytes()

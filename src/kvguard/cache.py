@@ -36,7 +36,7 @@ class KVGuardCache(Cache):
 
     def __init__(self, config, precision: "PrecisionLike | Sequence[PrecisionLike]" = Precision.INT4,
                  cache_config: CacheConfig | None = None):
-        arch = config if isinstance(config, Architecture) else Architecture.from_config(config)
+        arch = Architecture.from_config(config)
         self.architecture = arch
         self.cache_config = cache_config or CacheConfig()
         per_layer = _per_layer(precision, arch.num_layers)

@@ -90,6 +90,7 @@ class KVGuardLayer(CacheLayerMixin):
         # Calibrated INT8 absmax per KV head and channel, [H_kv, D]; None = dynamic scales.
         self.key_absmax: torch.Tensor | None = None
         self.value_absmax: torch.Tensor | None = None
+        self.num_heads: int | None = None  # known at the first update
         self._clear()
 
     # ------------------------------------------------------------------ state
@@ -125,21 +126,17 @@ class KVGuardLayer(CacheLayerMixin):
         self._clear()
 
     def _check_heads(self, requested) -> None:
-        if isinstance(requested, tuple) and self.is_initialized_or_sized and len(requested) != self.num_heads:
+        if isinstance(requested, tuple) and self.num_heads is not None and len(requested) != self.num_heads:
             raise ValueError(
                 f"layer {self.layer_idx} has {self.num_heads} KV heads but {len(requested)} per-head precisions were given"
             )
 
     @property
-    def is_initialized_or_sized(self) -> bool:
-        return getattr(self, "num_heads", None) is not None
-
-    @property
     def head_precisions(self) -> tuple[Precision, ...]:
-        """The precision each KV head stores newly quantized tokens in."""
+        """The precision each KV head stores newly quantized tokens in (known once the first tokens arrive)."""
         if isinstance(self._requested, tuple):
             return self._requested
-        return (self._requested,) * (self.num_heads if self.is_initialized_or_sized else 1)
+        return (self._requested,) * (self.num_heads or 1)
 
     @property
     def precision(self) -> "Precision | tuple[Precision, ...]":
@@ -424,8 +421,9 @@ class KVGuardLayer(CacheLayerMixin):
 
 class KVGuardSlidingLayer(KVGuardLayer):
     """A sliding-window layer: keeps what the next query can still see (``sliding_window - 1`` tokens), plus
-    at most one partial group, since quantized tokens are dropped in whole groups. The attention mask hides
-    the extra tokens (``get_mask_sizes`` reports where the stored tokens start)."""
+    fewer than ``group_size`` older ones when they share a quantized group with visible tokens (quantized
+    tokens are dropped in whole groups). The attention mask hides the extra tokens (``get_mask_sizes`` reports
+    where the stored tokens start)."""
 
     is_sliding = True
 
@@ -452,9 +450,10 @@ class KVGuardSlidingLayer(KVGuardLayer):
             self.offset += drop
             if drop < sinks:
                 return
-        g = self.config.group_size
         while self._runs:
             run = self._runs[0]
+            # Quantized keys share scales across a group of tokens: such runs drop whole groups only.
+            g = self.config.group_size if any(p.layout.precision.is_quantized for p in run.parts) else 1
             drop = min(run.length, (keep_from - self.offset) // g * g)
             if drop <= 0:
                 break

@@ -110,15 +110,19 @@ def markdown_table(rows: list[Row]) -> str:
     """The rows as a markdown table (what ``kvguard eval`` prints)."""
     head = "| corpus | method | mode | kv_bytes_ratio | ppl | ppl_delta_pct | kl | top1_agree | tok_s | trigger_rate | recompute_fraction |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    notes: list[str] = []
     for r in rows:
         if r.error:
-            lines.append(f"| {r.corpus} | {r.method} | {r.mode} | unsupported: {r.error} | | | | | | | |")
+            if r.error not in notes:
+                notes.append(r.error)
+            lines.append(f"| {r.corpus} | {r.method} | {r.mode} | unsupported [{notes.index(r.error) + 1}] | | | | | | | |")
             continue
         lines.append(
             f"| {r.corpus} | {r.method} | {r.mode} | {_fmt(r.kv_bytes_ratio, '.3f')} | {_fmt(r.ppl, '.3f')} | "
             f"{_fmt(r.ppl_delta_pct, '+.2f')} | {_fmt(r.kl, '.5f')} | {_fmt(r.top1_agree, '.4f')} | "
             f"{_fmt(r.tok_s, '.1f')} | {_fmt(r.trigger_rate, '.4f')} | {_fmt(r.recompute_fraction, '.4f')} |"
         )
+    lines += [""] * bool(notes) + [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
     return "\n".join(lines)
 
 

@@ -209,6 +209,9 @@ class Architecture:
 
     @classmethod
     def from_config(cls, config) -> "Architecture":
+        """From a transformers config (an ``Architecture`` is returned as is)."""
+        if isinstance(config, Architecture):
+            return config
         config = getattr(config, "text_config", None) or config
         num_layers = config.num_hidden_layers
         heads = config.num_attention_heads
