@@ -200,9 +200,12 @@ def test_precision_errors_name_valid_values():
         layer.set_precision(["int4", "int8"])
 
 
-def test_sliding_fp16_layer_keeps_exactly_what_the_window_needs():
-    cfg = CacheConfig(residual=8, sinks=2, group_size=4, fp_dtype="float16")
-    layer = KVGuardSlidingLayer("fp16", cfg, sliding_window=12)
-    feed(layer, *kv(60, 12), 1)
-    assert layer.stored_tokens == 11 and layer.offset == 49
-    assert layer.nbytes() == layer.fp16_nbytes()
+def test_sliding_layers_of_any_precision_hold_the_same_tokens():
+    # transformers builds one mask for all sliding layers from the first one's get_mask_sizes.
+    layers = [KVGuardSlidingLayer(p, CFG, sliding_window=12) for p in ("fp16", "int4", ["int2", "fp16", "int8"])]
+    keys, values = kv(60, 12)
+    for t in range(60):
+        sizes = {layer.get_mask_sizes(1) for layer in layers}
+        assert len(sizes) == 1
+        for layer in layers:
+            layer.update(keys[..., t:t + 1, :], values[..., t:t + 1, :])

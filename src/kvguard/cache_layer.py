@@ -421,9 +421,10 @@ class KVGuardLayer(CacheLayerMixin):
 
 class KVGuardSlidingLayer(KVGuardLayer):
     """A sliding-window layer: keeps what the next query can still see (``sliding_window - 1`` tokens), plus
-    fewer than ``group_size`` older ones when they share a quantized group with visible tokens (quantized
-    tokens are dropped in whole groups). The attention mask hides the extra tokens (``get_mask_sizes`` reports
-    where the stored tokens start)."""
+    fewer than ``group_size`` older ones, since stored tokens are dropped in whole groups (quantized keys share
+    scales across a group). The attention mask hides the extra tokens (``get_mask_sizes`` reports where the
+    stored tokens start); an FP16 sliding layer therefore stores up to ``group_size - 1`` tokens more than
+    transformers' ``DynamicSlidingWindowLayer``, and ``fp16_nbytes`` counts against the latter."""
 
     is_sliding = True
 
@@ -450,10 +451,11 @@ class KVGuardSlidingLayer(KVGuardLayer):
             self.offset += drop
             if drop < sinks:
                 return
+        # Whole groups only, whatever the precision: every sliding layer must hold the same tokens, since
+        # transformers builds one sliding-window mask from the first sliding layer's get_mask_sizes.
+        g = self.config.group_size
         while self._runs:
             run = self._runs[0]
-            # Quantized keys share scales across a group of tokens: such runs drop whole groups only.
-            g = self.config.group_size if any(p.layout.precision.is_quantized for p in run.parts) else 1
             drop = min(run.length, (keep_from - self.offset) // g * g)
             if drop <= 0:
                 break
