@@ -29,7 +29,6 @@ from kvguard.config import CacheConfig
 from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize
 
-Stored = "QuantizedTensor | torch.Tensor"
 
 
 def _nbytes(t: "QuantizedTensor | torch.Tensor | None") -> int:
