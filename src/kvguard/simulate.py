@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -31,12 +30,8 @@ from kvguard.quantizer import Axis, QuantSpec, quantize
 ATTN_NAME = "kvguard_simulation"
 
 
-@dataclass
-class _Active:
-    plan: Plan
-
-
-_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("kvguard_simulation", default=None)
+# The plan the registered attention function simulates; set only inside ``simulation()``.
+_ACTIVE_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("kvguard_simulation", default=None)
 
 
 def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tensor]:
@@ -69,10 +64,9 @@ def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axi
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
     """Attention of every query against the keys/values as chunk-1 decoding through the cache shows them."""
-    active = _ACTIVE.get()
-    if active is None:
+    plan = _ACTIVE_PLAN.get()
+    if plan is None:
         raise RuntimeError(f"the {ATTN_NAME!r} attention only runs inside kvguard.simulate.simulation()")
-    plan = active.plan
     lp = plan.layers[module.layer_idx]
     b, hq, t, d = query.shape
     hkv = key.shape[1]
@@ -121,13 +115,13 @@ def simulation(model, plan: Plan):
     """Within this block, ``model``'s forward passes (without a cache) simulate chunk-1 decoding under ``plan``."""
     plan.check(Architecture.from_config(model.config))
     previous = model.config._attn_implementation
-    token = _ACTIVE.set(_Active(plan))
+    token = _ACTIVE_PLAN.set(plan)
     model.set_attn_implementation(ATTN_NAME)
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
-        _ACTIVE.reset(token)
+        _ACTIVE_PLAN.reset(token)
 
 
 @torch.no_grad()
