@@ -15,6 +15,8 @@ def test_unknown_method_lists_valid_ones(capsys):
     assert "kivi-4" in capsys.readouterr().err
     with pytest.raises(ValueError, match="calibration profile"):
         methods.get("kvguard")
+    assert cli.main(["eval", "--methods", "kvguard"]) == 2
+    assert "--profile" in capsys.readouterr().err
 
 
 def test_markdown_table_marks_unsupported_rows():
@@ -23,6 +25,23 @@ def test_markdown_table_marks_unsupported_rows():
     table = evaluate.markdown_table(rows).splitlines()
     assert table[0].count("|") == table[1].count("|") == table[2].count("|")
     assert "unsupported [1]" in table[3] and table[-1] == "[1] refuses sliding layers"
+
+
+def test_windows_combine_by_mean_nll():
+    import math
+
+    w1 = [evaluate.Row("fp16", "prose", "simulated", 10, 1.0, 10.0, 0.0, 0.0, 1.0, 100.0),
+          evaluate.Row("int4", "prose", "simulated", 4, 0.4, 11.0, 10.0, 0.02, 0.9, 80.0),
+          evaluate.Row("hf-quanto-4", "prose", "streamed", error="refused")]
+    w2 = [evaluate.Row("fp16", "prose", "simulated", 10, 1.0, 40.0, 0.0, 0.0, 1.0, 120.0),
+          evaluate.Row("int4", "prose", "simulated", 4, 0.4, 40.0, 0.0, 0.04, 0.8, 100.0),
+          evaluate.Row("hf-quanto-4", "prose", "streamed", error="refused")]
+    fp16, int4, peer = evaluate.combine_windows([w1, w2])
+    assert math.isclose(fp16.ppl, 20.0) and math.isclose(int4.ppl, math.sqrt(11.0 * 40.0))
+    assert math.isclose(int4.ppl_delta_pct, 100 * (math.sqrt(440.0) / 20.0 - 1))
+    assert math.isclose(int4.kl, 0.03) and math.isclose(int4.top1_agree, 0.85) and peer.error == "refused"
+    with pytest.raises(ValueError, match="same methods"):
+        evaluate.combine_windows([w1, w2[::-1]])
 
 
 @pytest.mark.slow

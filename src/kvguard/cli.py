@@ -11,10 +11,8 @@ from kvguard import __version__
 
 # Subcommands that later work adds; listed so `kvguard --help` shows the whole shape of the tool.
 _PLANNED = {
-    "calibrate": "model-specific calibration: statistics, sensitivity, mixed-precision plan (planned)",
     "generate": "decode with live entropy monitoring and compensation (planned)",
     "serve": "OpenAI-compatible server with Prometheus metrics (planned)",
-    "report": "plots and an HTML page for a calibration profile (planned)",
     "export": "calibrated scales for vLLM / SGLang (planned)",
 }
 
@@ -108,30 +106,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Methods side by side on the same tokens: perplexity task, pass-key retrieval, or decode speed."""
     from kvguard import data, evaluate, methods, models, passkey, speed
 
+    from kvguard.profile import Profile, ProfileError
+
     names = _csv(args.methods)
+    if args.profile and "kvguard" not in names:
+        names.append("kvguard")
     try:
+        profile = Profile.load(args.profile) if args.profile else None
         for name in names:
-            methods.get(name)
-    except ValueError as err:
+            methods.get(name, profile)
+    except (ValueError, ProfileError) as err:
         print(f"kvguard eval: error: {err}", file=sys.stderr)
-        return 2
-    if args.profile:
-        print("kvguard eval: error: --profile needs the calibration issue's `kvguard calibrate`; not available yet",
-              file=sys.stderr)
         return 2
 
     if args.task == "speed":
-        rows = speed.run(args.model, names, _csv(args.contexts, int), args.new_tokens)
+        rows = speed.run(args.model, names, _csv(args.contexts, int), args.new_tokens, profile_path=args.profile)
         print(speed.markdown_table(rows))
         if args.json:
             evaluate.write_json(args.json, {"model": args.model, "task": "speed", "new_tokens": args.new_tokens, "results": rows})
         return 0
 
     model, tok = models.load(args.model)
+    if profile is not None:
+        try:
+            profile.check_model(model)
+        except ProfileError as err:
+            print(f"kvguard eval: error: {err}", file=sys.stderr)
+            return 2
     if args.task == "passkey":
         results = []
         for name in ["fp16"] + [n for n in names if n != "fp16"]:
-            results += passkey.run(model, tok, methods.get(name), _csv(args.lengths, int), _csv(args.depths, float), args.trials)
+            results += passkey.run(model, tok, methods.get(name, profile), _csv(args.lengths, int), _csv(args.depths, float), args.trials)
         print("| method | length | depth | accuracy | trials |\n|---|---|---|---|---|")
         for r in results:
             print(f"| {r.method} | {r.length} | {r.depth} | {r.accuracy:.2f} | {r.trials} |")
@@ -140,17 +145,74 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                             "results": [dict(vars(r), accuracy=r.accuracy) for r in results]})
         return 0
 
+    if args.windows < 1:
+        print(f"kvguard eval: error: --windows must be >= 1, got {args.windows}", file=sys.stderr)
+        return 2
     if args.text_file:
-        streams = {os.path.basename(args.text_file): data.load_text_file(args.text_file, tok, args.tokens)}
+        streams = {os.path.basename(args.text_file): [data.load_text_file(args.text_file, tok, args.tokens)]}
     else:
-        streams = {c: data.token_stream(c, "eval", tok, args.tokens) for c in _csv(args.corpus)}
+        streams = {c: _windows(data.token_stream(c, "eval", tok, args.tokens * args.windows), args.tokens, tok)
+                   for c in _csv(args.corpus)}
     rows = []
-    for corpus, ids in streams.items():
-        rows += evaluate.evaluate_stream(model, ids, corpus, names, chunk=args.chunk, simulate=args.simulate)
+    for corpus, windows in streams.items():
+        per_window = [evaluate.evaluate_stream(model, ids, corpus, names, chunk=args.chunk, simulate=args.simulate,
+                                               profile=profile) for ids in windows]
+        rows += per_window[0] if len(per_window) == 1 else evaluate.combine_windows(per_window)
     print(evaluate.markdown_table(rows))
     if args.json:
-        tokens = max(ids.numel() for ids in streams.values())
-        evaluate.write_json(args.json, evaluate.rows_payload(args.model, tokens, args.chunk, rows))
+        tokens = max(w.numel() for ws in streams.values() for w in ws)
+        payload = evaluate.rows_payload(args.model, tokens, args.chunk, rows)
+        payload["windows"] = args.windows
+        evaluate.write_json(args.json, payload)
+    return 0
+
+
+def _windows(stream, tokens: int, tok) -> list:
+    """Consecutive ``tokens``-long windows of ``stream``; every window starts with BOS when the model wants
+    one (the stream has it only at its start)."""
+    from kvguard import data
+
+    windows = [stream[i:i + tokens].clone() for i in range(0, stream.numel(), tokens)]
+    if data.wants_bos(tok) and tok.bos_token_id is not None:
+        for w in windows[1:]:
+            w[0] = tok.bos_token_id
+    return windows
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Model-specific calibration: statistics, sensitivity, hierarchical search, profile."""
+    from kvguard.calibrate import CalibrationConfig, calibrate
+    from kvguard.search import Objective
+
+    try:
+        objective = Objective(args.alpha, args.beta, args.gamma, args.max_ppl_increase,
+                              None if args.memory_budget <= 0 else args.memory_budget)
+        cfg = CalibrationConfig(args.model, args.out, args.samples, tuple(_csv(args.domains)), args.max_tokens,
+                                args.batch_size, args.heldout_tokens, args.context, args.head_layers,
+                                seed=args.seed, objective=objective)
+    except ValueError as err:
+        print(f"kvguard calibrate: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        calibrate(cfg, resume=args.resume)
+    except ValueError as err:
+        print(f"kvguard calibrate: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Plots and an HTML page for a calibration profile."""
+    from kvguard import report
+    from kvguard.profile import Profile, ProfileError
+
+    try:
+        profile = Profile.load(args.profile)
+    except ProfileError as err:
+        print(f"kvguard report: error: {err}", file=sys.stderr)
+        return 2
+    page = report.write(profile, args.out)
+    print(f"report written to {page}")
     return 0
 
 
@@ -191,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default="prose", help="comma-separated eval corpora: prose, code, dialog, long (default: %(default)s)")
     p.add_argument("--text-file", help="evaluate this UTF-8 text file instead of a corpus")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per text (default: %(default)s)")
+    p.add_argument("--windows", type=int, default=1,
+                   help="score this many consecutive --tokens windows per corpus and combine them (default: %(default)s)")
     p.add_argument("--chunk", type=int, default=1, help="tokens per forward pass; 1 = true decoding (default: %(default)s)")
     p.add_argument("--simulate", default="auto", choices=["auto", "on", "off"],
                    help="score static methods by the exact parallel simulation of chunk-1 decoding (default: %(default)s)")
@@ -201,6 +265,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="1024,4096", help="speed: context lengths (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64, help="speed: decode steps timed (default: %(default)s)")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("calibrate", help="model-specific calibration: statistics, sensitivity, mixed-precision plan, profile")
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or local model folder (default: %(default)s)")
+    p.add_argument("--out", required=True, help="profile directory to write")
+    p.add_argument("--samples", type=int, default=5000, help="calibration samples, mixed over the domains (default: %(default)s)")
+    p.add_argument("--domains", default="prose,dialog,code", help="calibration domains (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=1.0, help="score weight of memory (bytes / FP16) (default: %(default)s)")
+    p.add_argument("--beta", type=float, default=0.2, help="score weight of latency (decode time / FP16) (default: %(default)s)")
+    p.add_argument("--gamma", type=float, default=5.0, help="score weight of the perplexity increase in %% (default: %(default)s)")
+    p.add_argument("--max-ppl-increase", type=float, default=1.0,
+                   help="largest perplexity increase in %% on held-out calibration text, worst domain (default: %(default)s)")
+    p.add_argument("--memory-budget", type=float, default=0.40,
+                   help="largest KV bytes as a fraction of FP16 at --context tokens; 0 for none (default: %(default)s)")
+    p.add_argument("--context", type=int, default=2048, help="context length the memory is measured at (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per calibration sample (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per statistics batch (default: %(default)s)")
+    p.add_argument("--heldout-tokens", type=int, default=1536,
+                   help="held-out calibration tokens (split over the domains) that score candidates (default: %(default)s)")
+    p.add_argument("--head-layers", type=int, default=4, help="most sensitive layers also measured per KV head (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished stage")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("report", help="plots and an HTML page for a calibration profile")
+    p.add_argument("--profile", required=True, help="profile directory (from `kvguard calibrate`)")
+    p.add_argument("--out", required=True, help="directory for the PNG plots and index.html")
+    p.set_defaults(func=cmd_report)
 
     for name, text in _PLANNED.items():
         sub.add_parser(name, help=text).set_defaults(func=_planned(name))

@@ -552,6 +552,11 @@ def documents(
     ]
 
 
+def iter_documents(corpus: str, split: Split | str, tokenizer: Any = None) -> Iterator[Document]:
+    """Lazily iterate the documents of a split in :func:`documents` order (``tokenizer`` as there)."""
+    return _iter_documents(_check_corpus(corpus), _check_split(split), tokenizer)
+
+
 def _iter_documents(corpus: str, split: Split, tokenizer: Any) -> Iterator[Document]:
     """All documents of a split in :func:`documents` order, fetched in growing batches
     (so the lazy ShareGPT reader parses only what is consumed)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -44,12 +45,13 @@ def _use_simulation(method: methods_mod.Method, chunk: int, simulate: str) -> bo
 
 
 def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[str], *, chunk: int = 1,
-                    simulate: str = "auto", progress: bool = True) -> list[Row]:
-    """Score every method on ``ids`` (``[T]``); the first row is ``fp16``, the reference for the others."""
+                    simulate: str = "auto", progress: bool = True, profile=None) -> list[Row]:
+    """Score every method on ``ids`` (``[T]``); the first row is ``fp16``, the reference for the others.
+    ``profile``: the calibration profile behind the ``kvguard`` method."""
     if simulate not in ("auto", "on", "off"):
         raise ValueError(f"simulate has to be one of ['auto', 'on', 'off'] but got {simulate!r}")
     names = ["fp16"] + [n for n in method_names if n != "fp16"]
-    resolved = [methods_mod.get(n) for n in names]  # unknown names fail before any work
+    resolved = [methods_mod.get(n, profile) for n in names]  # unknown names fail before any work
     if simulate == "on":
         bad = [m.name for m in resolved if not m.simulatable]
         if bad or chunk != 1:
@@ -66,8 +68,9 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
         try:
             if simulated:
                 plan = method.plan(arch)
-                score = score_simulated(model, ids, plan, reference=reference, keep_logits=reference is None)
-                stored, fp16 = methods_mod.static_kv_bytes(plan, model.config, tokens - 1)
+                score = score_simulated(model, ids, plan, reference=reference, keep_logits=reference is None,
+                                        scales=method.scales)
+                stored, fp16 = methods_mod.static_kv_bytes(plan, model.config, tokens - 1, method.scales)
             else:
                 cache = method.make_cache(model)
                 score = score_stream(model, ids, cache, chunk=chunk, reference=reference,
@@ -91,6 +94,34 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
         if row.ppl is not None:
             row.ppl_delta_pct = 100.0 * (row.ppl / ref_ppl - 1.0)
     return rows
+
+
+def combine_windows(windows: list[list[Row]]) -> list[Row]:
+    """Rows of several equal-length windows of one corpus (each from :func:`evaluate_stream`) as one row per
+    method: perplexity from the mean NLL, KL / top-1 / bytes / speed averaged, deltas against the combined
+    ``fp16`` row. More text makes the small perplexity differences between good methods measurable."""
+    if not windows:
+        raise ValueError("no windows to combine")
+    combined = []
+    for rows in zip(*windows):
+        first = rows[0]
+        if any(r.method != first.method for r in rows):
+            raise ValueError("windows must list the same methods in the same order")
+        row = Row(first.method, first.corpus, first.mode, error=first.error)
+        if first.error is None:
+            n = len(rows)
+            row.kv_bytes = round(sum(r.kv_bytes for r in rows) / n)
+            row.kv_bytes_ratio = sum(r.kv_bytes_ratio for r in rows) / n
+            row.ppl = math.exp(sum(math.log(r.ppl) for r in rows) / n)
+            row.kl = sum(r.kl for r in rows) / n
+            row.top1_agree = sum(r.top1_agree for r in rows) / n
+            row.tok_s = sum(r.tok_s for r in rows) / n if all(r.tok_s for r in rows) else None
+        combined.append(row)
+    ref_ppl = combined[0].ppl
+    for row in combined:
+        if row.ppl is not None:
+            row.ppl_delta_pct = 100.0 * (row.ppl / ref_ppl - 1.0)
+    return combined
 
 
 def _fill(row: Row, score: StreamScore, stored: int, fp16: int) -> None:

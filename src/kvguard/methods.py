@@ -7,6 +7,8 @@
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
   :mod:`kvguard.peers`).
+- ``kvguard``: the plan a calibration profile chose (``kvguard calibrate``), INT8 heads with its calibrated
+  scales; needs ``--profile``.
 
 Static methods (a :class:`~kvguard.plan.Plan`) can be scored by the fast simulation; peers always stream.
 """
@@ -18,7 +20,7 @@ from typing import Callable
 
 from kvguard.config import CacheConfig
 from kvguard.models import Architecture
-from kvguard.plan import Plan
+from kvguard.plan import Plan, StaticScales
 
 KIVI = CacheConfig(residual=128, sinks=0, group_size=32)
 
@@ -32,12 +34,14 @@ class Method:
         description: one line for listings and docs.
         plan: for kvguard's own static methods, the plan for a given architecture; ``None`` for peers.
         peer: the :mod:`kvguard.peers` name for transformers' caches.
+        scales: calibrated INT8 ranges the plan's INT8 heads use (profile methods).
     """
 
     name: str
     description: str
     plan: Callable[[Architecture], Plan] | None = None
     peer: str | None = None
+    scales: StaticScales | None = None
 
     @property
     def simulatable(self) -> bool:
@@ -46,7 +50,7 @@ class Method:
     def make_cache(self, model):
         """A fresh cache for one sequence of ``model``."""
         if self.plan is not None:
-            return self.plan(Architecture.from_config(model.config)).make_cache(model.config)
+            return self.plan(Architecture.from_config(model.config)).make_cache(model.config, self.scales)
         from kvguard import peers
 
         return peers.make_cache(self.peer, model)
@@ -73,18 +77,31 @@ METHODS: dict[str, Method] = {
         Method("hf-hqq-4", "transformers QuantizedCache, HQQ backend, 4 bits", peer="hf-hqq-4"),
     )
 }
-# Methods that need a calibration profile; they arrive with the calibration and run-time issues.
+# Methods that need a calibration profile (``--profile``); ``kvguard-live`` arrives with the run-time issue.
 PROFILE_METHODS = ("kvguard", "kvguard-live")
 
 
-def get(name: str) -> Method:
-    """The method called ``name``; ``ValueError`` listing the valid names otherwise."""
+def from_profile(profile) -> Method:
+    """The ``kvguard`` method: the static plan of a :class:`~kvguard.profile.Profile`."""
+    plan = profile.plan
+    counts = ", ".join(f"{n} {p}" for p, n in sorted(plan.precision_counts().items()))
+    return Method("kvguard", f"calibrated plan for {profile.model_name} ({counts} KV heads)", lambda arch: plan,
+                  scales=profile.static_scales())
+
+
+def get(name: str, profile=None) -> Method:
+    """The method called ``name`` (profile methods from ``profile``); ``ValueError`` listing the valid names
+    otherwise."""
+    if name == "kvguard":
+        if profile is None:
+            raise ValueError("method 'kvguard' needs a calibration profile: pass --profile (see `kvguard calibrate`)")
+        return from_profile(profile)
     try:
         return METHODS[name]
     except KeyError:
         if name in PROFILE_METHODS:
-            raise ValueError(f"method {name!r} needs a calibration profile (`kvguard calibrate`), not available yet") from None
-        raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}]") from None
+            raise ValueError(f"method {name!r} needs the run-time feedback loop, not available yet") from None
+        raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard]") from None
 
 
 def kv_bytes(cache) -> tuple[int, int]:
@@ -96,13 +113,13 @@ def kv_bytes(cache) -> tuple[int, int]:
     return peers.cache_nbytes(cache), peers.fp16_nbytes(cache)
 
 
-def static_kv_bytes(plan: Plan, model_config, tokens: int) -> tuple[int, int]:
+def static_kv_bytes(plan: Plan, model_config, tokens: int, scales: StaticScales | None = None) -> tuple[int, int]:
     """``kv_bytes`` of a cache built from ``plan`` after ``tokens`` tokens, without running the model: the
     stored sizes depend only on shapes, so zeros of the right shape are fed through the layers."""
     import torch
 
     arch = Architecture.from_config(model_config)
-    cache = plan.make_cache(model_config)
+    cache = plan.make_cache(model_config, scales)
     zeros = torch.zeros(1, arch.num_kv_heads, tokens, arch.head_dim)
     for idx in range(arch.num_layers):
         cache.update(zeros, zeros, idx)

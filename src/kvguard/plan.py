@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvguard.config import CacheConfig
 from kvguard.models import Architecture
 from kvguard.precision import Precision
@@ -36,6 +38,27 @@ class LayerPlan:
 
 
 @dataclass(frozen=True)
+class StaticScales:
+    """Calibrated INT8 ranges: ``absmax`` per layer, KV head and channel, ``[layers, H_kv, D]`` each.
+    INT8 heads quantize with ``scale = clip * absmax / 127`` from these instead of per-group scales."""
+
+    key_absmax: torch.Tensor
+    value_absmax: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("key_absmax", "value_absmax"):
+            t = getattr(self, name)
+            if t.dim() != 3 or not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+                raise ValueError(f"{name} must be a finite, non-negative [layers, H_kv, D] tensor, got {tuple(t.shape)}")
+
+    def check(self, arch: Architecture) -> None:
+        want = (arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        for name in ("key_absmax", "value_absmax"):
+            if tuple(getattr(self, name).shape) != want:
+                raise ValueError(f"static scales {name} has shape {tuple(getattr(self, name).shape)}, the model needs {want}")
+
+
+@dataclass(frozen=True)
 class Plan:
     """Per-layer storage plan plus the cache layout it runs with."""
 
@@ -56,16 +79,35 @@ class Plan:
             if len(lp.precision) != arch.num_kv_heads:
                 raise ValueError(f"plan layer {i} has {len(lp.precision)} head precisions, the model has {arch.num_kv_heads} KV heads")
 
-    def make_cache(self, model_config):
-        """A fresh :class:`~kvguard.cache.KVGuardCache` that stores tokens as this plan says."""
+    def make_cache(self, model_config, scales: StaticScales | None = None):
+        """A fresh :class:`~kvguard.cache.KVGuardCache` that stores tokens as this plan says (INT8 heads with
+        calibrated ``scales`` when given)."""
         from kvguard.cache import KVGuardCache
 
         arch = Architecture.from_config(model_config)
         self.check(arch)
+        if scales is not None:
+            scales.check(arch)
         cache = KVGuardCache(arch, [lp.uniform or lp.precision for lp in self.layers], self.cache)
-        for layer, lp in zip(cache.layers, self.layers):
+        for i, (layer, lp) in enumerate(zip(cache.layers, self.layers)):
             layer.set_clip(lp.key_clip, lp.value_clip)
+            if scales is not None:
+                layer.set_static_scales(scales.key_absmax[i], scales.value_absmax[i])
         return cache
+
+    def replace_layer(self, index: int, layer: LayerPlan) -> "Plan":
+        """This plan with layer ``index`` replaced."""
+        layers = list(self.layers)
+        layers[index] = layer
+        return Plan(tuple(layers), self.cache)
+
+    def precision_counts(self) -> dict[str, int]:
+        """How many KV heads (over all layers) each precision holds."""
+        counts: dict[str, int] = {}
+        for lp in self.layers:
+            for p in lp.precision:
+                counts[p.value] = counts.get(p.value, 0) + 1
+        return counts
 
     def to_dict(self) -> dict:
         return {

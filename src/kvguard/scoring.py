@@ -87,15 +87,15 @@ def score_stream(model, input_ids: torch.Tensor, cache: Cache, *, chunk: int = 1
 
 @torch.no_grad()
 def score_simulated(model, input_ids: torch.Tensor, plan, *, reference: torch.Tensor | None = None,
-                    keep_logits: bool = False) -> StreamScore:
+                    keep_logits: bool = False, scales=None) -> StreamScore:
     """Like ``score_stream(..., chunk=1)`` through ``plan.make_cache``, in one simulated forward pass
-    (see :mod:`kvguard.simulate`)."""
+    (see :mod:`kvguard.simulate`); ``scales``: calibrated INT8 :class:`~kvguard.plan.StaticScales`."""
     from kvguard.simulate import simulate_logits
 
     ids = _check(input_ids)
     total = ids.shape[1]
     t0 = time.perf_counter()
-    logits = simulate_logits(model, ids[0, :-1], plan)
+    logits = simulate_logits(model, ids[0, :-1], plan, scales)
     seconds = time.perf_counter() - t0
     metrics = TokenMetrics()
     _accumulate(metrics, logits, ids[0, 1:].to(logits.device), 0, reference)

@@ -24,14 +24,17 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from kvguard.models import Architecture
-from kvguard.plan import Plan
+from kvguard.plan import Plan, StaticScales
+from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantSpec, quantize
 
 ATTN_NAME = "kvguard_simulation"
 
 
-# The plan the registered attention function simulates; set only inside ``simulation()``.
-_ACTIVE_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("kvguard_simulation", default=None)
+# The plan (and calibrated INT8 scales) the registered attention function simulates; set only inside
+# ``simulation()``.
+_ACTIVE_PLAN: contextvars.ContextVar[tuple[Plan, StaticScales | None] | None] = contextvars.ContextVar(
+    "kvguard_simulation", default=None)
 
 
 def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tensor]:
@@ -49,25 +52,32 @@ def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tens
 
 
 def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axis, group_size: int,
-                    clip: float) -> torch.Tensor:
+                    clip: float, absmax: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[B, H, T, D]`` with positions ``[start, end)`` replaced by their quantize-dequantize values,
-    each KV head at its own precision (fp16 heads unchanged)."""
+    each KV head at its own precision (fp16 heads unchanged; int8 heads with the calibrated ``absmax``
+    ``[H, D]`` when given)."""
     out = x.clone()
     if end <= start:
         return out
     for h, precision in enumerate(precisions):
         if precision.is_quantized:
-            spec = QuantSpec(precision, axis, group_size, clip)
-            out[:, h:h + 1, start:end] = quantize(x[:, h:h + 1, start:end], spec).dequantize(x.dtype)
+            static = precision is Precision.INT8 and absmax is not None
+            spec = QuantSpec(precision, axis, group_size, clip, static)
+            amax = absmax[h].view(1, 1, 1, -1) if static else None  # one scale per channel, shared by tokens
+            out[:, h:h + 1, start:end] = quantize(x[:, h:h + 1, start:end], spec, amax).dequantize(x.dtype)
     return out
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
     """Attention of every query against the keys/values as chunk-1 decoding through the cache shows them."""
-    plan = _ACTIVE_PLAN.get()
-    if plan is None:
+    active = _ACTIVE_PLAN.get()
+    if active is None:
         raise RuntimeError(f"the {ATTN_NAME!r} attention only runs inside kvguard.simulate.simulation()")
-    lp = plan.layers[module.layer_idx]
+    plan, scales = active
+    layer_idx = module.layer_idx
+    lp = plan.layers[layer_idx]
+    k_absmax = None if scales is None else scales.key_absmax[layer_idx]
+    v_absmax = None if scales is None else scales.value_absmax[layer_idx]
     b, hq, t, d = query.shape
     hkv = key.shape[1]
     if key.shape[2] != t:
@@ -77,8 +87,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     k_fp, v_fp = key.to(fp_dtype).to(torch.float32), value.to(fp_dtype).to(torch.float32)
     end, switch = quantize_switch_points(t, plan)
     s, g = plan.cache.sinks, plan.cache.group_size
-    k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip)
-    v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, g, lp.value_clip)
+    k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax)
+    v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, g, lp.value_clip, v_absmax)
 
     rep = hq // hkv  # grouped-query attention: query head i reads KV head i // rep
 
@@ -111,11 +121,15 @@ AttentionMaskInterface.register(ATTN_NAME, eager_mask)
 
 
 @contextlib.contextmanager
-def simulation(model, plan: Plan):
-    """Within this block, ``model``'s forward passes (without a cache) simulate chunk-1 decoding under ``plan``."""
-    plan.check(Architecture.from_config(model.config))
+def simulation(model, plan: Plan, scales: StaticScales | None = None):
+    """Within this block, ``model``'s forward passes (without a cache) simulate chunk-1 decoding under ``plan``
+    (INT8 heads with calibrated ``scales`` when given)."""
+    arch = Architecture.from_config(model.config)
+    plan.check(arch)
+    if scales is not None:
+        scales.check(arch)
     previous = model.config._attn_implementation
-    token = _ACTIVE_PLAN.set(plan)
+    token = _ACTIVE_PLAN.set((plan, scales))
     model.set_attn_implementation(ATTN_NAME)
     try:
         yield
@@ -125,10 +139,21 @@ def simulation(model, plan: Plan):
 
 
 @torch.no_grad()
-def simulate_logits(model, input_ids: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """Next-token logits ``[T, vocab]`` (float32) for ``input_ids`` (``[T]``) as chunk-1 decoding through a
-    cache built from ``plan`` would produce them, in one forward pass."""
+def simulate_logits(model, input_ids: torch.Tensor, plan: Plan, scales: StaticScales | None = None, *,
+                    keep_from: int = 0) -> torch.Tensor:
+    """Next-token logits ``[T - keep_from, vocab]`` (float32) for ``input_ids`` (``[T]``) as chunk-1 decoding
+    through a cache built from ``plan`` (and ``scales``) would produce them, in one forward pass.
+    ``keep_from``: skip the output head for earlier positions (see :func:`first_quantized_query`)."""
     ids = input_ids.reshape(1, -1).to(model.device)
-    with simulation(model, plan):
-        logits = model(input_ids=ids, use_cache=False).logits
-    return logits[0].float()
+    keep = ids.shape[1] - keep_from
+    if not 0 < keep <= ids.shape[1]:
+        raise ValueError(f"keep_from must be in [0, {ids.shape[1]}), got {keep_from}")
+    with simulation(model, plan, scales):
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+    return logits[0, -keep:].float()
+
+
+def first_quantized_query(plan: Plan) -> int:
+    """The first position whose attention can see a quantized key under ``plan``: every earlier position's
+    logits equal the FP16 cache's exactly, so scoring can skip them."""
+    return plan.cache.sinks + plan.cache.residual + plan.cache.group_size

@@ -20,12 +20,13 @@ import torch
 
 
 @torch.no_grad()
-def measure(model_name: str, method_name: str, context: int, new_tokens: int) -> dict:
+def measure(model_name: str, method_name: str, context: int, new_tokens: int, profile_path: str | None = None) -> dict:
     """Prefill ``context`` tokens of held-out text, then time ``new_tokens`` greedy decode steps."""
     from kvguard import data, methods, models
+    from kvguard.profile import Profile
 
     model, tok = models.load(model_name)
-    method = methods.get(method_name)
+    method = methods.get(method_name, Profile.load(profile_path, model) if profile_path else None)
     ids = data.token_stream("long", "eval", tok, context).unsqueeze(0)
     cache = method.make_cache(model)
     logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
@@ -46,7 +47,8 @@ def measure(model_name: str, method_name: str, context: int, new_tokens: int) ->
     }
 
 
-def run(model_name: str, method_names: list[str], contexts: list[int], new_tokens: int, progress: bool = True) -> list[dict]:
+def run(model_name: str, method_names: list[str], contexts: list[int], new_tokens: int, progress: bool = True,
+        profile_path: str | None = None) -> list[dict]:
     """One subprocess per (context, method); adds ``tok_s_ratio`` and ``peak_rss_ratio`` against ``fp16``."""
     names = ["fp16"] + [n for n in method_names if n != "fp16"]
     rows = []
@@ -57,6 +59,7 @@ def run(model_name: str, method_names: list[str], contexts: list[int], new_token
                 print(f"[kvguard eval] speed: {name} at {context} tokens", file=sys.stderr, flush=True)
             cmd = [sys.executable, "-m", "kvguard.speed", "--model", model_name, "--method", name,
                    "--context", str(context), "--new-tokens", str(new_tokens)]
+            cmd += ["--profile", str(profile_path)] if profile_path else []
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
             if proc.returncode != 0:
                 lines = (proc.stderr.strip() or "no output").splitlines()
@@ -89,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", required=True)
     parser.add_argument("--context", type=int, required=True)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--profile", help="calibration profile (for the kvguard method)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(json.dumps(measure(args.model, args.method, args.context, args.new_tokens)))
+    print(json.dumps(measure(args.model, args.method, args.context, args.new_tokens, args.profile)))
     return 0
 
 

@@ -1,0 +1,195 @@
+"""K/V activation statistics and the attention-entropy baseline, recorded over calibration batches.
+
+One FP forward pass per batch through the model's decoder (no LM head) with an observing attention function
+(transformers' ``AttentionInterface``, so no modeling code is forked): it computes ordinary eager attention
+and records, per layer / KV head / channel, the ``max``, ``min``, ``mean``, ``std`` and ``absmax`` of the
+keys (after RoPE, as the cache stores them) and values, plus the entropy of every attention row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from kvguard.entropy import EntropyAccumulator, EntropyBaseline, attention_entropy
+from kvguard.models import Architecture
+
+ATTN_NAME = "kvguard_statistics"
+STATS = ("max", "min", "mean", "std", "absmax")
+KINDS = ("key", "value")
+
+
+@dataclass(frozen=True)
+class KVStatistics:
+    """Per-batch K/V statistics.
+
+    Attributes:
+        history: ``"key.max"`` ... ``"value.absmax"`` -> ``[batches, layers, KV heads, head_dim]``.
+        tokens: ``[batches]`` tokens (batch rows x length) behind each batch's statistics.
+    """
+
+    history: dict[str, torch.Tensor]
+    tokens: torch.Tensor
+
+    @property
+    def num_batches(self) -> int:
+        return int(self.tokens.numel())
+
+    def aggregate(self) -> dict[str, torch.Tensor]:
+        """The statistics over all batches, ``[layers, KV heads, head_dim]`` each (pooled mean and std)."""
+        w = self.tokens.to(torch.float64).view(-1, 1, 1, 1)
+        out = {}
+        for kind in KINDS:
+            h = {s: self.history[f"{kind}.{s}"].to(torch.float64) for s in STATS}
+            mean = (h["mean"] * w).sum(0) / w.sum()
+            second = ((h["std"] ** 2 + h["mean"] ** 2) * w).sum(0) / w.sum()
+            out[f"{kind}.max"] = h["max"].amax(0).float()
+            out[f"{kind}.min"] = h["min"].amin(0).float()
+            out[f"{kind}.absmax"] = h["absmax"].amax(0).float()
+            out[f"{kind}.mean"] = mean.float()
+            out[f"{kind}.std"] = (second - mean ** 2).clamp_min(0).sqrt().float()
+        return out
+
+    def tensors(self, prefix: str = "stats.") -> dict[str, torch.Tensor]:
+        """The per-batch history as float16 (5,000 samples make hundreds of batches) and the aggregates,
+        computed before that rounding, as float32."""
+        out = {f"{prefix}batch.{k}": v.to(torch.float16).contiguous() for k, v in self.history.items()}
+        out[f"{prefix}batch.tokens"] = self.tokens.contiguous()
+        out.update({f"{prefix}{k}": v.contiguous() for k, v in self.aggregate().items()})
+        return out
+
+    @staticmethod
+    def aggregate_from(tensors: dict[str, torch.Tensor], prefix: str = "stats.") -> dict[str, torch.Tensor]:
+        """The float32 aggregates saved by :meth:`tensors`."""
+        return {f"{k}.{s}": tensors[f"{prefix}{k}.{s}"] for k in KINDS for s in STATS}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str = "stats.") -> "KVStatistics":
+        history = {f"{k}.{s}": tensors[f"{prefix}batch.{k}.{s}"] for k in KINDS for s in STATS}
+        return cls(history, tensors[f"{prefix}batch.tokens"])
+
+
+class _Recorder:
+    def __init__(self, arch: Architecture, num_query_heads: int) -> None:
+        self.arch = arch
+        self.entropy = EntropyAccumulator(arch.num_layers, num_query_heads)
+        self.batches: list[dict[str, torch.Tensor]] = []
+        self.tokens: list[int] = []
+        self.current: dict[str, torch.Tensor] = {}
+
+    def start_batch(self) -> None:
+        shape = (self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim)
+        self.current = {f"{k}.{s}": torch.full(shape, float("nan")) for k in KINDS for s in STATS}
+
+    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        for kind, x in (("key", key), ("value", value)):
+            x = x.detach().float()  # [B, H_kv, T, D]
+            self.current[f"{kind}.max"][layer] = x.amax((0, 2)).cpu()
+            self.current[f"{kind}.min"][layer] = x.amin((0, 2)).cpu()
+            self.current[f"{kind}.mean"][layer] = x.mean((0, 2)).cpu()
+            self.current[f"{kind}.std"][layer] = x.std((0, 2), unbiased=False).cpu()
+            self.current[f"{kind}.absmax"][layer] = x.abs().amax((0, 2)).cpu()
+
+    def end_batch(self, tokens: int) -> None:
+        missing = [k for k, v in self.current.items() if bool(torch.isnan(v).any())]
+        if missing:
+            raise RuntimeError(f"a forward pass did not reach every attention layer (missing {missing[0]})")
+        self.batches.append(self.current)
+        self.tokens.append(tokens)
+
+    def statistics(self) -> KVStatistics:
+        history = {k: torch.stack([b[k] for b in self.batches]) for k in self.batches[0]}
+        return KVStatistics(history, torch.tensor(self.tokens, dtype=torch.int64))
+
+
+_ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("kvguard_statistics", default=None)
+
+
+def entropy_rows(t: int) -> torch.Tensor:
+    """Query positions whose attention entropy is recorded: the first 16, then every 8th. Entropy needs a
+    full softmax row per query, so a subsample keeps statistics collection near the cost of a plain forward
+    pass while every length bin still gets thousands of queries over a calibration set."""
+    return torch.unique(torch.cat([torch.arange(min(t, 16)), torch.arange(16, t, 8)]))
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """The model's attention (sdpa) that also records K/V statistics and attention entropy."""
+    recorder = _ACTIVE.get()
+    if recorder is None:
+        raise RuntimeError(f"the {ATTN_NAME!r} attention only runs inside kvguard.statistics.recording()")
+    if softcap is not None:
+        raise NotImplementedError("statistics collection does not support attention logit soft-capping yet")
+    b, hq, t, d = query.shape
+    rep = hq // key.shape[1]  # grouped-query attention: query head i reads KV head i // rep
+    scaling = d ** -0.5 if scaling is None else scaling
+    k = key.repeat_interleave(rep, dim=1) if rep > 1 else key  # [B, Hq, T, D]
+    v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
+    mask = None if attention_mask is None else attention_mask[..., : key.shape[2]]
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, is_causal=mask is None)
+
+    rows = entropy_rows(t).to(query.device)
+    scores = (query[:, :, rows].float() @ k.float().transpose(-1, -2)) * scaling  # [B, Hq, rows, T]
+    if mask is not None:
+        row_mask = mask[:, :, rows].float()
+        n_keys = (row_mask[0, 0] > torch.finfo(torch.float32).min / 2).sum(-1)  # [rows]; same for every batch row
+    else:
+        row_mask = torch.where(torch.arange(t, device=query.device)[None, :] <= rows[:, None], 0.0, float("-inf"))
+        n_keys = rows + 1
+    probs = torch.softmax(scores + row_mask, dim=-1)
+    recorder.observe(module.layer_idx, key, value)
+    recorder.entropy.add(module.layer_idx, attention_entropy(probs), n_keys)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, _attention)
+AttentionMaskInterface.register(ATTN_NAME, eager_mask)
+
+
+@contextlib.contextmanager
+def _recording(model, recorder: _Recorder):
+    previous = model.config._attn_implementation
+    token = _ACTIVE.set(recorder)
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        _ACTIVE.reset(token)
+
+
+def batches_by_length(samples: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    """Group 1-D token samples into ``[B, T]`` batches of similar length (each cut to its shortest sample),
+    so no padding distorts the statistics."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ordered = sorted(samples, key=lambda s: (-s.numel(), s.tolist()[:8]))
+    out = []
+    for i in range(0, len(ordered), batch_size):
+        group = ordered[i:i + batch_size]
+        n = min(s.numel() for s in group)
+        out.append(torch.stack([s[:n] for s in group]))
+    return out
+
+
+@torch.no_grad()
+def collect(model, batches: list[torch.Tensor], *, progress: bool = True) -> tuple[KVStatistics, EntropyBaseline]:
+    """Run every ``[B, T]`` batch through ``model``'s decoder with the FP cache semantics and return the
+    per-batch K/V statistics and the attention-entropy baseline."""
+    if not batches:
+        raise ValueError("no calibration batches to collect statistics from")
+    arch = Architecture.from_config(model.config)
+    recorder = _Recorder(arch, arch.num_query_heads)
+    decoder = model.base_model
+    with _recording(model, recorder):
+        for ids in tqdm(batches, desc="statistics", unit="batch", disable=not progress):
+            recorder.start_batch()
+            decoder(input_ids=ids.to(model.device), use_cache=False)
+            recorder.end_batch(ids.numel())
+    return recorder.statistics(), recorder.entropy.finish()

@@ -1,0 +1,111 @@
+"""``kvguard calibrate`` end to end on the real SmolLM2 (small settings), resume, and the profile's use."""
+
+import json
+
+import pytest
+import torch
+
+from kvguard import cli
+from kvguard.calibrate import CalibrationConfig, calibrate
+from kvguard.profile import Profile, ProfileError
+from kvguard.search import Objective, Searcher
+
+pytestmark = pytest.mark.slow
+
+# Latency does not enter the score here (beta 0): the two runs below measure it separately, and the test
+# is about the rest of the pipeline being deterministic.
+OBJECTIVE = Objective(beta=0.0, memory_budget=0.40, max_ppl_increase=2.0)
+
+
+def _config(out, **kw) -> CalibrationConfig:
+    settings = dict(samples=8, domains=("prose", "code"), max_tokens=64, batch_size=4, heldout_tokens=512,
+                    context=512, head_layers=1, latency_context=128, objective=OBJECTIVE)
+    settings.update(kw)
+    return CalibrationConfig("smollm2-135m", out, **settings)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, smollm2):
+    out = tmp_path_factory.mktemp("cal") / "profile"
+    calibrate(_config(out), progress=False)
+    return Profile.load(out, smollm2[0])
+
+
+def test_profile_holds_everything_the_runtime_needs(calibrated, smollm2):
+    p = calibrated
+    arch_layers, kv_heads, head_dim = 30, 3, 64
+    assert p.meta["model"]["name"] == "smollm2-135m" and p.fingerprint.startswith("sha256:")
+    assert p.meta["data"]["domains"]["prose"]["samples"] == 4 and p.meta["data"]["domains"]["code"]["samples"] == 4
+    assert p.meta["data"]["split"] == "calib"
+    assert p.monitor["window_tokens"] == 32 and p.monitor["refresh_tokens"] == 8 and p.monitor["warn_drop"] == 0.20
+    assert p.meta["libraries"]["torch"] == torch.__version__
+    # Per-batch statistics (2 batches of 4 samples), aggregates, scales, entropy baseline, sensitivity.
+    assert p.tensors["stats.batch.key.max"].shape == (2, arch_layers, kv_heads, head_dim)
+    assert p.tensors["scales.int8.key"].shape == (arch_layers, kv_heads, head_dim)
+    assert p.tensors["zero_points.int4.value"].shape == (arch_layers, kv_heads, head_dim)
+    assert p.entropy_baseline().mean.shape == (arch_layers, 9, 17)
+    assert bool((p.aggregate_statistics()["key.absmax"] > 0).all())
+    assert p.statistics().num_batches == 2
+    assert p.tensors["sensitivity.alone_kl"].shape == (arch_layers,)
+    assert int((~torch.isnan(p.tensors["sensitivity.head_alone_kl"])).any(1).sum()) == 1  # one layer per head
+    # The search: all three levels, a frontier drawn from the log, a chosen plan that meets the constraints.
+    log = p.meta["search_log"]
+    assert {c["level"] for c in log} == {1, 2, 3}
+    assert set(p.meta["pareto_front"]) <= {c["name"] for c in log}
+    chosen = p.meta["chosen"]
+    assert p.meta["constraints_met"] and chosen["memory"] <= 0.40 and chosen["ppl_increase_pct"] <= 2.0
+    assert chosen["score"] == min(c["score"] for c in log if c["feasible"])
+    assert p.plan.to_dict() == chosen["plan"]
+
+
+def test_resume_continues_after_the_last_finished_stage(calibrated, tmp_path, monkeypatch):
+    out = tmp_path / "profile"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(Searcher, "level2", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(_config(out), progress=False)
+    assert not out.exists()
+    partial = tmp_path / "profile.partial"
+    assert sorted(f.name for f in partial.glob("*.json")) == ["latency.json", "level1.json", "sensitivity.json", "statistics.json"]
+    # A different configuration cannot resume that run.
+    with pytest.raises(ValueError, match="different settings"):
+        calibrate(_config(out, seed=1), resume=True, progress=False)
+
+    resumed = calibrate(_config(out), resume=True, progress=False)
+    assert resumed.meta["run"]["resumed_stages"] == ["statistics", "latency", "level1", "sensitivity"]
+    assert not partial.exists()
+    # Same seed, same profile: the plan and every candidate's measured quality are identical.
+    assert resumed.meta["plan"] == calibrated.meta["plan"]
+    assert [(c["name"], c["quality"]) for c in resumed.meta["search_log"]] == \
+           [(c["name"], c["quality"]) for c in calibrated.meta["search_log"]]
+    assert torch.equal(resumed.tensors["stats.batch.value.std"], calibrated.tensors["stats.batch.value.std"])
+
+
+def test_eval_and_report_use_the_profile(calibrated, tmp_path, capsys):
+    path = str(calibrated.path)
+    assert cli.main(["eval", "--model", "smollm2-135m", "--profile", path, "--methods", "int4", "--tokens", "300",
+                     "--json", str(tmp_path / "eval.json")]) == 0
+    rows = json.loads((tmp_path / "eval.json").read_text())["results"]
+    row = next(r for r in rows if r["method"] == "kvguard")
+    assert row["mode"] == "simulated" and 0 < row["kv_bytes_ratio"] < 1 and row["kl"] > 0
+    assert cli.main(["report", "--profile", path, "--out", str(tmp_path / "report")]) == 0
+    for name in ("index.html", "sensitivity.png", "pareto.png", "precision.png"):
+        assert (tmp_path / "report" / name).is_file()
+    capsys.readouterr()
+    assert cli.main(["eval", "--model", "gemma3-270m", "--profile", path, "--methods", "int4"]) == 2
+    assert "fingerprint" in capsys.readouterr().err
+
+
+def test_bad_settings_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="domains"):
+        _config(tmp_path / "p", domains=("poetry",))
+    with pytest.raises(ValueError, match="per domain"):
+        _config(tmp_path / "p", heldout_tokens=100)
+    assert cli.main(["calibrate", "--out", str(tmp_path / "p"), "--memory-budget", "3"]) == 2
+    assert "memory_budget" in capsys.readouterr().err
+    with pytest.raises(ProfileError):
+        Profile.load(tmp_path / "nothing-here")

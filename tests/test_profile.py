@@ -1,0 +1,78 @@
+"""Profiles: atomic, self-checking, and refused by the wrong model."""
+
+import json
+
+import pytest
+import torch
+
+from kvguard.plan import LayerPlan, Plan
+from kvguard.profile import JSON_NAME, MONITOR_DEFAULTS, SCHEMA_VERSION, TENSORS_NAME, Profile, ProfileError
+
+
+def _profile(fingerprint="sha256:" + "0" * 64) -> Profile:
+    plan = Plan((LayerPlan(("int4", "int8")), LayerPlan(("int2", "fp16"), key_clip=0.9)))
+    meta = {"model": {"name": "tiny", "fingerprint": fingerprint}, "plan": plan.to_dict(), "monitor": dict(MONITOR_DEFAULTS)}
+    tensors = {"calibrated.key.absmax": torch.rand(2, 2, 4) + 0.1, "calibrated.value.absmax": torch.rand(2, 2, 4) + 0.1}
+    return Profile(meta, tensors)
+
+
+def test_round_trip(tmp_path):
+    p = _profile()
+    p.save(tmp_path / "prof")
+    q = Profile.load(tmp_path / "prof")
+    assert q.plan == p.plan
+    assert q.meta["schema_version"] == SCHEMA_VERSION
+    assert torch.equal(q.static_scales().key_absmax, p.tensors["calibrated.key.absmax"])
+    assert q.monitor["window_tokens"] == 32 and q.monitor["trigger_consecutive"] == 3
+    # Nothing but the profile is left behind, and saving again replaces it in place.
+    p.save(tmp_path / "prof")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["prof"]
+    assert sorted(x.name for x in (tmp_path / "prof").iterdir()) == [JSON_NAME, TENSORS_NAME]
+
+
+def test_failed_write_leaves_the_old_profile(tmp_path, monkeypatch):
+    _profile().save(tmp_path / "prof")
+    before = (tmp_path / "prof" / JSON_NAME).read_text()
+    bad = _profile()
+    bad.tensors["broken"] = "not a tensor"
+    with pytest.raises(Exception):
+        bad.save(tmp_path / "prof")
+    assert (tmp_path / "prof" / JSON_NAME).read_text() == before
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["prof"]
+
+
+def test_refuses_to_overwrite_other_directories(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "precious.txt").write_text("keep me")
+    with pytest.raises(ProfileError, match="not a kvguard profile"):
+        _profile().save(tmp_path / "data")
+    assert (tmp_path / "data" / "precious.txt").read_text() == "keep me"
+
+
+def test_corruption_and_newer_schema_are_clear_errors(tmp_path):
+    path = _profile().save(tmp_path / "prof")
+    with pytest.raises(ProfileError, match="no profile.json"):
+        Profile.load(tmp_path / "missing")
+    tensors = path / TENSORS_NAME
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    with pytest.raises(ProfileError, match="corrupted"):
+        Profile.load(path)
+    path = _profile().save(tmp_path / "prof2")
+    meta = json.loads((path / JSON_NAME).read_text())
+    meta["schema_version"] = SCHEMA_VERSION + 1
+    (path / JSON_NAME).write_text(json.dumps(meta))
+    with pytest.raises(ProfileError, match="newer"):
+        Profile.load(path)
+    (path / JSON_NAME).write_text("{ not json")
+    with pytest.raises(ProfileError, match="corrupted"):
+        Profile.load(path)
+
+
+@pytest.mark.slow
+def test_refuses_another_model(tmp_path, smollm2):
+    model, _ = smollm2
+    path = _profile().save(tmp_path / "prof")
+    with pytest.raises(ProfileError, match="fingerprint"):
+        Profile.load(path, model)
