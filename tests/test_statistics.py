@@ -11,7 +11,7 @@ from kvguard.config import CacheConfig
 from kvguard.models import Architecture
 from kvguard.plan import LayerPlan, Plan, StaticScales
 from kvguard.scoring import score_simulated, score_stream
-from kvguard.statistics import KVStatistics, batches_by_length, collect
+from kvguard.statistics import KVStatistics, batches_by_length, collect, entropy_rows
 
 
 def _history(means, stds, maxs):
@@ -59,9 +59,10 @@ def test_recorded_statistics_are_the_models_keys_and_values(smollm2):
         assert torch.allclose(stats.history["value.mean"][0, layer], v.mean((0, 2)), atol=1e-5)
         assert torch.allclose(stats.history["key.std"][0, layer], k.std((0, 2), unbiased=False), atol=1e-4)
         assert torch.allclose(stats.history["value.absmax"][0, layer], v.abs().amax((0, 2)), atol=1e-4)
-    # Every query of every layer and head was counted, bins by the number of keys seen (1..40).
+    # Every recorded query row (the first 16, then every 8th) of every layer and head was counted once.
     arch = Architecture.from_config(model.config)
-    assert entropy.count.sum().item() == 2 * 40 * arch.num_layers * arch.num_query_heads
+    assert entropy_rows(40).tolist() == list(range(16)) + [16, 24, 32]
+    assert entropy.count.sum().item() == 2 * 19 * arch.num_layers * arch.num_query_heads
     assert bool((entropy.normalized > 0).all()) and bool((entropy.normalized <= 1.0001).all())
     # The observing attention computes the same attention as the model's own.
     with torch.no_grad():
