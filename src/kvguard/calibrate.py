@@ -23,7 +23,6 @@ import platform
 import shutil
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 

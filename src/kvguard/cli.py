@@ -273,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--domains", default="prose,dialog,code", help="calibration domains (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=1.0, help="score weight of memory (bytes / FP16) (default: %(default)s)")
     p.add_argument("--beta", type=float, default=0.2, help="score weight of latency (decode time / FP16) (default: %(default)s)")
-    p.add_argument("--gamma", type=float, default=5.0, help="score weight of the perplexity increase in %% (default: %(default)s)")
+    p.add_argument("--gamma", type=float, default=5.0,
+                   help="score weight of the perplexity penalty: the increase in %% the held-out KL predicts "
+                        "(default: %(default)s)")
     p.add_argument("--max-ppl-increase", type=float, default=1.0,
                    help="largest perplexity increase in %% on held-out calibration text, worst domain (default: %(default)s)")
     p.add_argument("--memory-budget", type=float, default=0.40,
