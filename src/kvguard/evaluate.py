@@ -89,6 +89,11 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
             score = StreamScore(score.nll, score.tokens, 0.0, 1.0, score.seconds)
         _fill(row, score, stored, fp16)
         rows.append(row)
+    return _with_deltas(rows)
+
+
+def _with_deltas(rows: list[Row]) -> list[Row]:
+    """Set ``ppl_delta_pct`` of every row against the first (``fp16``) row."""
     ref_ppl = rows[0].ppl
     for row in rows:
         if row.ppl is not None:
@@ -117,11 +122,7 @@ def combine_windows(windows: list[list[Row]]) -> list[Row]:
             row.top1_agree = sum(r.top1_agree for r in rows) / n
             row.tok_s = sum(r.tok_s for r in rows) / n if all(r.tok_s for r in rows) else None
         combined.append(row)
-    ref_ppl = combined[0].ppl
-    for row in combined:
-        if row.ppl is not None:
-            row.ppl_delta_pct = 100.0 * (row.ppl / ref_ppl - 1.0)
-    return combined
+    return _with_deltas(combined)
 
 
 def _fill(row: Row, score: StreamScore, stored: int, fp16: int) -> None:
