@@ -109,3 +109,37 @@ def test_bad_settings_are_clear_errors(tmp_path, capsys):
     assert "memory_budget" in capsys.readouterr().err
     with pytest.raises(ProfileError):
         Profile.load(tmp_path / "nothing-here")
+
+
+def test_profile_carries_a_calibrated_monitor(calibrated):
+    p = calibrated
+    fit = p.meta["monitor_calibration"]
+    assert len(fit["fp16_alarm_rate"]) == 30
+    # Monitored layers are exactly those whose entropy alarms stayed quiet under FP16 on held-out text.
+    assert p.monitor["layers"] == [l for l, r in enumerate(fit["fp16_alarm_rate"]) if r <= 0.01]
+    assert fit["windows"] > 0 and set(fit["heldout_auc"]) >= {"entropy_drop_mean", "werr_k_mean", "risk_max"}
+    clf = p.risk_classifier()
+    assert clf is not None and clf.features == ("drop", "abs_drop", "werr_k", "werr_v") and clf.kl_threshold == 0.01
+
+
+def test_live_loop_in_eval_and_generate(calibrated, tmp_path, capsys):
+    path = str(calibrated.path)
+    assert cli.main(["eval", "--model", "smollm2-135m", "--profile", path, "--methods", "kvguard-live,kvguard-live:int2",
+                     "--tokens", "300", "--json", str(tmp_path / "eval.json")]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "eval.json").read_text())["results"]}
+    for name in ("kvguard-live", "kvguard-live:int2"):
+        row = rows[name]
+        assert row["mode"] == "live" and row["trigger_rate"] is not None and 0 <= row["trigger_rate"] <= 1
+        assert 0 <= row["recompute_fraction"] <= 1 and 0 < row["kv_bytes_ratio"] < 1 and row["kl"] > 0
+    # The loop over the profile's own plan changes little: same bytes, similar quality.
+    assert abs(rows["kvguard-live"]["kv_bytes_ratio"] - rows["kvguard"]["kv_bytes_ratio"]) < 0.05
+    capsys.readouterr()
+    events = tmp_path / "events.jsonl"
+    assert cli.main(["generate", "--profile", path, "--prompt", "Write a short poem about the sea.",
+                     "--max-new-tokens", "24", "--events", str(events)]) == 0
+    out = capsys.readouterr().out
+    assert "% saved" in out and "monitor:" in out and "rollback: level" in out
+    assert events.is_file() and all(json.loads(line)["sequence"] for line in events.read_text().splitlines())
+    assert cli.main(["generate", "--profile", path, "--prompt", " ", "--max-new-tokens", "4"]) == 2
+    assert cli.main(["generate", "--profile", path, "--prompt", "hi", "--plan", "hf-quanto-4"]) == 2
+    assert "transformers' own cache" in capsys.readouterr().err

@@ -90,6 +90,8 @@ class KVGuardLayer(CacheLayerMixin):
         self.key_absmax: torch.Tensor | None = None
         self.value_absmax: torch.Tensor | None = None
         self.num_heads: int | None = None  # known at the first update
+        # Error evidence for the run-time monitor (off unless it asks: it costs a decode per stored group).
+        self.track_error = False
         self._clear()
 
     # ------------------------------------------------------------------ state
@@ -109,8 +111,13 @@ class KVGuardLayer(CacheLayerMixin):
         self._overlay_pos: torch.Tensor | None = None  # [P] absolute positions, ascending
         self._overlay_k = self._overlay_v = None  # [B, H, P, D]
         self.offset = 0  # absolute position of the first stored token
+        self.read_fp_from = 0  # positions from here on were read at full precision by the last update
         self.length = 0  # tokens seen so far
         self.is_initialized = False
+        self._error: torch.Tensor | None = None  # [H, capacity, 2] relative K/V error per absolute position
+        self.out_of_range = [0, 0]  # K, V values quantized outside the calibrated range
+        self.quantized_values = [0, 0]  # K, V values quantized (tracked only)
+        self.running_absmax: list[torch.Tensor | None] = [None, None]  # K, V [H, D] over quantized tokens
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -201,8 +208,9 @@ class KVGuardLayer(CacheLayerMixin):
             return x.to(self.fp_dtype)
         return quantize(x, spec, absmax)
 
-    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize whole groups of tokens leaving the window into the current run."""
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """Quantize whole groups of tokens leaving the window (absolute positions from ``first``) into the
+        current run."""
         layout = self._layout()
         if not self._runs or self._runs[-1].layout != layout:
             parts = [_Part(pl, torch.tensor(pl.heads, device=self.device)) for pl in layout]
@@ -218,13 +226,42 @@ class KVGuardLayer(CacheLayerMixin):
             )
             part.keys = k_new if part.keys is None else _cat(part.keys, k_new)
             part.values = v_new if part.values is None else _cat(part.values, v_new)
+            if self.track_error and pl.key_spec is not None:
+                self._track(part, first, (k, v), (k_new, v_new))
         run.length += keys.shape[-2]
+
+    def _track(self, part: _Part, first: int, originals, encoded) -> None:
+        """Record the evidence a quantization leaves: per-position relative error, values outside the
+        calibrated range, and the running range of what was quantized."""
+        n = originals[0].shape[-2]
+        self._error = _grow(self._error, self.num_heads, first + n, self.device)
+        for i, (x, q, absmax) in enumerate(zip(originals, encoded, (self.key_absmax, self.value_absmax))):
+            x = x.float()
+            err = (q.dequantize(torch.float32) - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)  # [B, h, n]
+            self._error[part.index, first:first + n, i] = err.mean(0)
+            amax = x.abs().amax((0, 2))  # [h, D]
+            if self.running_absmax[i] is None:
+                self.running_absmax[i] = torch.zeros(self.num_heads, self.head_dim, device=self.device)
+            self.running_absmax[i][part.index] = torch.maximum(self.running_absmax[i][part.index], amax)
+            if absmax is not None:
+                limit = absmax.to(self.device).index_select(0, part.index).view(1, len(part.index), 1, -1)
+                self.out_of_range[i] += int((x.abs() > limit).sum())
+            self.quantized_values[i] += x.numel()
+
+    def error_evidence(self, end: int | None = None) -> torch.Tensor:
+        """Relative quantization error of the K (``[..., 0]``) and V (``[..., 1]``) the model reads at every
+        absolute position ``[0, end)``, ``[H, end, 2]``: 0 for full-precision tokens (sinks, window, overlay,
+        ``fp16`` heads). Tracked only while ``track_error`` is set."""
+        end = self.length if end is None else end
+        self._error = _grow(self._error, self.num_heads or 1, end, getattr(self, "device", None))
+        return self._error[:, :end]
 
     # ------------------------------------------------------------------ update / read
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new tokens; return (past as stored + new tokens as computed), each ``[B, H, T, D]``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.read_fp_from = self.window_start()  # this read sees positions from here on at full precision
         past_k, past_v = self.materialize(key_states.dtype)
         self._append(key_states, value_states)
         self._trim()
@@ -245,9 +282,10 @@ class KVGuardLayer(CacheLayerMixin):
         g, r = self.config.group_size, self.config.residual
         leaving = (self._win_k.shape[-2] - r) // g * g
         if leaving > 0:
+            first = self.window_start()
             k, v = self._win_k[..., :leaving, :], self._win_v[..., :leaving, :]
             self._win_k, self._win_v = self._win_k[..., leaving:, :], self._win_v[..., leaving:, :]
-            self._store(k, v)
+            self._store(k, v, first)
 
     def _trim(self) -> None:
         """Full-attention layers keep everything; sliding layers override this."""
@@ -339,6 +377,9 @@ class KVGuardLayer(CacheLayerMixin):
         rest = ~(in_sinks | in_window)
         if bool(rest.any()):
             self._merge_overlay(pos[rest], keys[:, :, rest], values[:, :, rest])
+            if self._error is not None:
+                tracked = pos[rest][pos[rest] < self._error.shape[1]]
+                self._error[:, tracked] = 0.0  # read at full precision from now on
 
     def _merge_overlay(self, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self._overlay_pos is not None:
@@ -474,6 +515,17 @@ class KVGuardSlidingLayer(KVGuardLayer):
             keep = self._overlay_pos >= self.offset
             self._overlay_pos = self._overlay_pos[keep]
             self._overlay_k, self._overlay_v = self._overlay_k[:, :, keep], self._overlay_v[:, :, keep]
+
+
+def _grow(buffer: torch.Tensor | None, heads: int, size: int, device=None) -> torch.Tensor:
+    """``buffer`` (``[heads, capacity, 2]``, zeros beyond what was written) with room for ``size`` positions."""
+    if buffer is not None and buffer.shape[1] >= size:
+        return buffer
+    capacity = max(size, 2 * (0 if buffer is None else buffer.shape[1]), 256)
+    grown = torch.zeros(heads, capacity, 2, device=device if buffer is None else buffer.device)
+    if buffer is not None:
+        grown[:, :buffer.shape[1]] = buffer
+    return grown
 
 
 def _cat(a, b):

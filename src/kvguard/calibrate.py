@@ -8,6 +8,8 @@ Stages (each checkpointed in ``<out>.partial/`` so ``--resume`` continues after 
 4. ``sensitivity`` — per layer, then per KV head for the most sensitive layers;
 5. ``level2`` — per-layer / per-head tiers allocated from the sensitivity;
 6. ``level3`` — clipping ratios for the most sensitive quantized layers;
+7. ``monitor`` — the run-time monitor: which layers' entropy alarms are meaningful (quiet under FP16) and the
+   risk classifier (:func:`kvguard.signals.fit_monitor`);
 
 then the profile is assembled and written atomically. Calibration text comes from the ``calib`` split only:
 the first documents of each domain form the held-out slice that scores candidates, the following ones the
@@ -29,16 +31,19 @@ from pathlib import Path
 import torch
 
 from kvguard import __version__, data
+from kvguard.entropy import EntropyBaseline
 from kvguard.heldout import HeldOut
+from kvguard.monitor import MonitorConfig
 from kvguard.plan import Plan, StaticScales
 from kvguard.precision import Precision
 from kvguard.profile import MONITOR_DEFAULTS, Profile
 from kvguard.search import LAYOUTS, Candidate, LatencyModel, Objective, Searcher, best, level2_targets, measure_latency, pareto_front
 from kvguard.sensitivity import Sensitivity, measure, ranking_table
+from kvguard.signals import fit_monitor
 from kvguard.statistics import KVStatistics, batches_by_length, collect
 
 RECOMMENDED_SAMPLES = 5000
-STAGES = ("statistics", "latency", "level1", "sensitivity", "level2", "level3")
+STAGES = ("statistics", "latency", "level1", "sensitivity", "level2", "level3", "monitor")
 WINDOWS_PER_DOCUMENT = 8  # long documents (code files) give at most this many samples each
 
 
@@ -284,6 +289,16 @@ def calibrate(cfg: CalibrationConfig, *, resume: bool = False, progress: bool = 
     level3 = search_stage("level3", lambda: searcher.level3(l2_best, sens))
     searcher.log = level1 + level2 + level3
     chosen = best(searcher.log)
+    baseline = EntropyBaseline.from_tensors(stats_tensors)
+    defaults = MonitorConfig.from_dict(MONITOR_DEFAULTS)
+
+    def run_monitor():
+        return fit_monitor(model, heldout.streams, heldout.references, chosen.plan, scales, baseline, defaults,
+                           progress=progress), None
+
+    monitor_fit = stage("monitor", run_monitor)[0]
+    _log(f"monitor: {len(monitor_fit['layers'])} of {arch.num_layers} layers monitored (quiet under FP16); held-out "
+         "ROC AUC for window KL > 0.01: " + ", ".join(f"{k} {v:.3f}" for k, v in monitor_fit["heldout_auc"].items()))
     if not chosen.feasible:
         _log(f"warning: no candidate met the constraints (memory <= {cfg.objective.memory_budget}, ppl increase <= "
              f"{cfg.objective.max_ppl_increase} %); keeping the lowest score")
@@ -308,7 +323,9 @@ def calibrate(cfg: CalibrationConfig, *, resume: bool = False, progress: bool = 
         "plan_summary": plan_summary(chosen.plan),
         "chosen": chosen.to_dict(),
         "constraints_met": chosen.feasible,
-        "monitor": dict(MONITOR_DEFAULTS),
+        "monitor": MonitorConfig.from_dict(MONITOR_DEFAULTS, layers=monitor_fit["layers"]).to_dict(),
+        "risk_classifier": monitor_fit["risk_classifier"],
+        "monitor_calibration": {k: v for k, v in monitor_fit.items() if k not in ("risk_classifier", "seconds")},
         "latency_model": latency.to_dict(),
         "sensitivity": sens.to_dict(),
         "pareto_front": [c.name for c in front],
@@ -320,6 +337,37 @@ def calibrate(cfg: CalibrationConfig, *, resume: bool = False, progress: bool = 
     checkpoints.remove()
     _log(f"profile written to {cfg.out} ({sum(seconds.values()):.0f} s)")
     return profile
+
+
+def refit_monitor(out: str | os.PathLike, *, progress: bool = True) -> Profile:
+    """Calibrate only the run-time monitor (stage ``monitor``) of the existing profile at ``out``, on the same
+    held-out slice, and rewrite the profile atomically; the plan, statistics and search are kept."""
+    from kvguard import models
+
+    profile = Profile.load(out)
+    model, tok = models.load(profile.model_name)
+    profile.check_model(model)
+    settings, manifest = profile.meta["settings"], profile.meta["data"]
+    cfg = CalibrationConfig(profile.model_name, Path(out), manifest["samples"], tuple(manifest["domains"]),
+                            manifest.get("max_tokens", 512), settings["batch_size"], settings["heldout_tokens"],
+                            settings["context"], settings["head_layers"], settings["latency_context"], settings["seed"])
+    torch.manual_seed(cfg.seed)
+    _, streams, _ = calibration_data(tok, cfg)
+    heldout = HeldOut(model, streams)
+    t0 = time.perf_counter()
+    fit = fit_monitor(model, heldout.streams, heldout.references, profile.plan, profile.static_scales(),
+                      profile.entropy_baseline(), MonitorConfig.from_dict(MONITOR_DEFAULTS), progress=progress)
+    meta = dict(profile.meta)
+    meta["monitor"] = MonitorConfig.from_dict(MONITOR_DEFAULTS, layers=fit["layers"]).to_dict()
+    meta["risk_classifier"] = fit.pop("risk_classifier")
+    meta["monitor_calibration"] = fit
+    meta.setdefault("run", {}).setdefault("seconds", {})["monitor"] = time.perf_counter() - t0
+    refreshed = Profile(meta, profile.tensors)
+    refreshed.save(out)
+    _log(f"monitor: {len(fit['layers'])} of {len(fit['fp16_alarm_rate'])} layers monitored; held-out ROC AUC for "
+         "window KL > 0.01: " + ", ".join(f"{k} {v:.3f}" for k, v in fit["heldout_auc"].items()))
+    _log(f"profile {out} rewritten with the new monitor")
+    return refreshed
 
 
 def _calibrated_scales(agg: dict[str, torch.Tensor], plan: Plan, arch) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ from kvguard import __version__
 
 # Subcommands that later work adds; listed so `kvguard --help` shows the whole shape of the tool.
 _PLANNED = {
-    "generate": "decode with live entropy monitoring and compensation (planned)",
     "serve": "OpenAI-compatible server with Prometheus metrics (planned)",
     "export": "calibrated scales for vLLM / SGLang (planned)",
 }
@@ -181,8 +180,17 @@ def _windows(stream, tokens: int, tok) -> list:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Model-specific calibration: statistics, sensitivity, hierarchical search, profile."""
-    from kvguard.calibrate import CalibrationConfig, calibrate
+    from kvguard.calibrate import CalibrationConfig, calibrate, refit_monitor
+    from kvguard.profile import ProfileError
     from kvguard.search import Objective
+
+    if args.monitor_only:
+        try:
+            refit_monitor(args.out)
+        except (ValueError, ProfileError) as err:
+            print(f"kvguard calibrate: error: {err}", file=sys.stderr)
+            return 2
+        return 0
 
     try:
         objective = Objective(args.alpha, args.beta, args.gamma, args.max_ppl_increase,
@@ -213,6 +221,68 @@ def cmd_report(args: argparse.Namespace) -> int:
         return 2
     page = report.write(profile, args.out)
     print(f"report written to {page}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Greedy decoding under the feedback loop: the text, then what the loop saw and did."""
+    from kvguard import methods, models
+    from kvguard.profile import Profile, ProfileError
+
+    if args.max_new_tokens < 1:
+        print(f"kvguard generate: error: --max-new-tokens must be >= 1, got {args.max_new_tokens}", file=sys.stderr)
+        return 2
+    if not args.prompt.strip():
+        print("kvguard generate: error: --prompt is empty", file=sys.stderr)
+        return 2
+    try:
+        profile = Profile.load(args.profile)
+        method = methods.get(methods.LIVE if args.plan == "profile" else f"{methods.LIVE}:{args.plan}", profile)
+    except (ValueError, ProfileError) as err:
+        print(f"kvguard generate: error: {err}", file=sys.stderr)
+        return 2
+    model, tok = models.load(args.model)
+    try:
+        profile.check_model(model)
+    except ProfileError as err:
+        print(f"kvguard generate: error: {err}", file=sys.stderr)
+        return 2
+    if args.events:
+        open(args.events, "w").close()  # one run's events per file
+    if tok.chat_template and not args.raw:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    else:
+        ids = tok(args.prompt, return_tensors="pt").input_ids[0]
+    session = method.session(model, events_path=args.events)
+    printed = ""
+    generated: list[int] = []
+
+    def show(token: int) -> None:
+        nonlocal printed
+        generated.append(token)
+        text = tok.decode(generated, skip_special_tokens=True)
+        print(text[len(printed):], end="", flush=True)
+        printed = text
+
+    t0 = time.perf_counter()
+    session.generate(ids, args.max_new_tokens, eos_token_id=tok.eos_token_id, on_token=show)
+    dt = time.perf_counter() - t0
+    summary = session.summary()
+    a, acts = summary["alarms"], summary["actions"]
+    print(f"\n\n--- {len(generated)} tokens in {dt:.1f} s ({len(generated) / dt:.1f} tok/s), prompt {ids.numel()} tokens, "
+          f"plan {args.plan} ---")
+    print(f"memory: KV cache {_fmt_bytes(summary['kv_bytes'])} vs {_fmt_bytes(summary['kv_bytes_fp16'])} in FP16: "
+          f"{100 * summary['memory_saved']:.1f} % saved")
+    print(f"monitor: {summary['monitoring_steps']} steps, trigger rate {100 * summary['trigger_rate']:.1f} %; alarms: "
+          f"{a['warning']} warning, {a['trigger']} trigger, {a['severe']} severe")
+    print(f"compensation: {acts.get('light', 0)} light, {acts.get('heavy', 0)} heavy, "
+          f"{summary['recomputed_positions']} positions recomputed ({summary['recompute_ms']:.0f} ms); precision "
+          f"{acts.get('precision_up', 0)} up / {acts.get('precision_down', 0)} down")
+    print(f"rollback: level {summary['level']} now, {summary['max_level']} at most"
+          + ("; recalibration recommended" if summary["recalibration_recommended"] else ""))
+    if args.events:
+        print(f"events: {len(session.events)} written to {args.events}")
     return 0
 
 
@@ -288,12 +358,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-layers", type=int, default=4, help="most sensitive layers also measured per KV head (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished stage")
+    p.add_argument("--monitor-only", action="store_true",
+                   help="recalibrate only the run-time monitor of the existing profile at --out (plan and statistics kept)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("report", help="plots and an HTML page for a calibration profile")
     p.add_argument("--profile", required=True, help="profile directory (from `kvguard calibrate`)")
     p.add_argument("--out", required=True, help="directory for the PNG plots and index.html")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("generate", help="decode with live entropy monitoring and compensation")
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or local model folder (default: %(default)s)")
+    p.add_argument("--profile", required=True, help="calibration profile of the model (from `kvguard calibrate`)")
+    p.add_argument("--prompt", required=True, help="the prompt (sent as a user message when the model has a chat template)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--events", help="write every alarm and action as one JSON line to this file")
+    p.add_argument("--plan", default="profile",
+                   help="plan new tokens start from: the profile's, or a static method such as int4 (default: %(default)s)")
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.set_defaults(func=cmd_generate)
 
     for name, text in _PLANNED.items():
         sub.add_parser(name, help=text).set_defaults(func=_planned(name))

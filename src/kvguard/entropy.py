@@ -50,6 +50,15 @@ class EntropyBaseline:
         fallback = self.normalized[layer] * math.log(max(n_keys, 2))
         return torch.where(torch.isnan(mean), fallback, mean)
 
+    def expected_mean(self, n_keys: torch.Tensor) -> torch.Tensor:
+        """Baseline entropy per layer, averaged over query heads, for queries that see ``n_keys`` keys:
+        ``n_keys`` ``[..., layers]`` (one count per layer: sliding layers see fewer) -> ``[..., layers]``."""
+        n = torch.as_tensor(n_keys, dtype=torch.long)
+        layers = torch.arange(self.mean.shape[0]).expand_as(n)
+        mean = self.mean[layers, :, length_bin(n)]  # [..., layers, heads]
+        fallback = self.normalized[layers] * torch.log(n.clamp_min(2).to(torch.float32)).unsqueeze(-1)
+        return torch.where(torch.isnan(mean), fallback, mean).mean(-1)
+
     def tensors(self, prefix: str = "entropy.") -> dict[str, torch.Tensor]:
         return {f"{prefix}{k}": getattr(self, k).contiguous() for k in ("mean", "std", "count", "normalized")}
 
@@ -90,3 +99,42 @@ class EntropyAccumulator:
         var = torch.where(count > 0, self.sumsq / count.clamp_min(1) - mean.nan_to_num() ** 2, torch.full_like(count, float("nan")))
         normalized = self.norm_sum / self.norm_count.clamp_min(1)
         return EntropyBaseline(mean.float(), var.clamp_min(0).sqrt().float(), count.float(), normalized.float())
+
+
+def baseline_ratio(entropy: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """``entropy / expected`` where the baseline is meaningful (a query seeing one key has entropy 0 either
+    way: ratio 1 there)."""
+    return torch.where(expected > 1e-3, entropy / expected.clamp_min(1e-3), torch.ones_like(entropy))
+
+
+class SequenceReference:
+    """The level a sequence's attention entropy runs at, relative to the calibrated baseline.
+
+    Texts differ: on real prose most layers spend long stretches 20 % above or below a baseline averaged over
+    all calibration text, with or without quantization. The monitor therefore measures each token's drop
+    against this sequence's own level: the running mean of ``entropy / baseline`` over its first ``tokens``
+    tokens, an exponential mean with that time constant after. A sudden drop (what drowned key information
+    looks like) stands out; a text that simply attends more sharply does not.
+    """
+
+    def __init__(self, num_layers: int, tokens: int = 256) -> None:
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        self.tokens = tokens
+        self.level = torch.ones(num_layers)
+        self.count = 0
+
+    def drop(self, ratio: torch.Tensor) -> torch.Tensor:
+        """This token's drop ``1 - ratio / level`` per layer (``ratio`` from :func:`baseline_ratio`), then
+        fold the token into the level (non-finite ratios are not folded in)."""
+        drop = 1.0 - ratio / self.level.clamp_min(1e-6)
+        self.count += 1
+        rate = 1.0 / min(self.count, self.tokens)
+        self.level = torch.where(torch.isfinite(ratio), self.level + (ratio - self.level) * rate, self.level)
+        return drop
+
+    @staticmethod
+    def drops(ratio: torch.Tensor, tokens: int = 256) -> torch.Tensor:
+        """:meth:`drop` over a whole sequence: ``ratio`` ``[T, layers]`` -> ``[T, layers]``."""
+        ref = SequenceReference(ratio.shape[1], tokens)
+        return torch.stack([ref.drop(r) for r in ratio]) if ratio.shape[0] else ratio.clone()

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kvguard import methods as methods_mod
+from kvguard.live import score_live
 from kvguard.models import Architecture
 from kvguard.scoring import StreamScore, score_simulated, score_stream
 
@@ -23,7 +24,7 @@ class Row:
 
     method: str
     corpus: str
-    mode: str  # "simulated" (one parallel pass, exact chunk-1 semantics) or "streamed"
+    mode: str  # "simulated" (one parallel pass, exact chunk-1 semantics), "streamed", or "live" (feedback loop)
     kv_bytes: int | None = None
     kv_bytes_ratio: float | None = None
     ppl: float | None = None
@@ -64,9 +65,18 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
         simulated = _use_simulation(method, chunk, simulate)
         if progress:
             _log(f"{corpus}: {method.name} ({'simulated' if simulated else f'streamed, chunk {chunk}'}, {tokens} tokens)")
-        row = Row(method.name, corpus, "simulated" if simulated else "streamed")
+        row = Row(method.name, corpus, "simulated" if simulated else ("live" if method.live else "streamed"))
         try:
-            if simulated:
+            if method.live:
+                if chunk != 1:
+                    raise ValueError(f"{method.name} decodes token by token: use chunk 1")
+                session = method.session(model, sequence_id=f"{corpus}-{method.name}")
+                score = score_live(session, ids, reference=reference, keep_logits=reference is None,
+                                   progress=progress, desc=method.name)
+                stored, fp16 = session.cache.nbytes(), session.cache.fp16_nbytes()
+                row.trigger_rate = session.trigger_rate
+                row.recompute_fraction = session.recompute_fraction()
+            elif simulated:
                 plan = method.plan(arch)
                 score = score_simulated(model, ids, plan, reference=reference, keep_logits=reference is None,
                                         scales=method.scales)
@@ -121,6 +131,10 @@ def combine_windows(windows: list[list[Row]]) -> list[Row]:
             row.kl = sum(r.kl for r in rows) / n
             row.top1_agree = sum(r.top1_agree for r in rows) / n
             row.tok_s = sum(r.tok_s for r in rows) / n if all(r.tok_s for r in rows) else None
+            for name in ("trigger_rate", "recompute_fraction"):
+                values = [getattr(r, name) for r in rows]
+                if all(v is not None for v in values):
+                    setattr(row, name, sum(values) / n)
         combined.append(row)
     return _with_deltas(combined)
 

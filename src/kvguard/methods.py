@@ -9,6 +9,11 @@
   :mod:`kvguard.peers`).
 - ``kvguard``: the plan a calibration profile chose (``kvguard calibrate``), INT8 heads with its calibrated
   scales; needs ``--profile``.
+- ``kvguard@<bytes>``: the profile's Pareto-frontier plan storing at most ``<bytes>`` of FP16 (e.g.
+  ``kvguard@0.25``), a more aggressive calibrated plan.
+- ``kvguard-live``: that plan decoded under the run-time feedback loop (:mod:`kvguard.live`);
+  ``kvguard-live:<static method>`` runs the loop over another plan (e.g. ``kvguard-live:int2``) with the
+  profile's baseline, classifier and thresholds. Needs ``--profile``; always streamed token by token.
 
 Static methods (a :class:`~kvguard.plan.Plan`) can be scored by the fast simulation; peers always stream.
 """
@@ -42,13 +47,26 @@ class Method:
     plan: Callable[[Architecture], Plan] | None = None
     peer: str | None = None
     scales: StaticScales | None = None
+    profile: object = None  # the calibration profile of live methods
+    live: bool = False
 
     @property
     def simulatable(self) -> bool:
-        return self.plan is not None
+        return self.plan is not None and not self.live
+
+    def session(self, model, **kwargs):
+        """A fresh :class:`~kvguard.live.LiveSession` for one sequence (live methods only)."""
+        from kvguard.live import LiveSession
+
+        if not self.live:
+            raise ValueError(f"method {self.name!r} does not run the feedback loop")
+        plan = self.plan(Architecture.from_config(model.config))
+        return LiveSession.from_profile(model, self.profile, plan=plan, **kwargs)
 
     def make_cache(self, model):
         """A fresh cache for one sequence of ``model``."""
+        if self.live:
+            raise ValueError(f"method {self.name!r} decodes through a LiveSession (Method.session), not a bare cache")
         if self.plan is not None:
             return self.plan(Architecture.from_config(model.config)).make_cache(model.config, self.scales)
         from kvguard import peers
@@ -77,8 +95,9 @@ METHODS: dict[str, Method] = {
         Method("hf-hqq-4", "transformers QuantizedCache, HQQ backend, 4 bits", peer="hf-hqq-4"),
     )
 }
-# Methods that need a calibration profile (``--profile``); ``kvguard-live`` arrives with the run-time issue.
+# Methods that need a calibration profile (``--profile``).
 PROFILE_METHODS = ("kvguard", "kvguard-live")
+LIVE = "kvguard-live"
 
 
 def from_profile(profile) -> Method:
@@ -89,19 +108,54 @@ def from_profile(profile) -> Method:
                   scales=profile.static_scales())
 
 
+def frontier_method(name: str, profile) -> Method:
+    """``kvguard@<bytes>``: the profile's Pareto-frontier plan with the lowest held-out KL among those storing
+    at most ``<bytes>`` of FP16 (a more aggressive calibrated plan than the chosen one)."""
+    try:
+        budget = float(name.split("@", 1)[1])
+    except ValueError:
+        raise ValueError(f"{name!r}: expected kvguard@<bytes ratio>, e.g. kvguard@0.25") from None
+    front = set(profile.meta.get("pareto_front", []))
+    points = [c for c in profile.meta.get("search_log", []) if c["name"] in front and c["memory"] <= budget]
+    if not points:
+        have = sorted(round(c["memory"], 3) for c in profile.meta.get("search_log", []) if c["name"] in front)
+        raise ValueError(f"{name!r}: the profile's Pareto frontier has no plan at or below {budget} of FP16 "
+                         f"(its points store {have})")
+    point = min(points, key=lambda c: c["quality"]["kl"])
+    plan = Plan.from_dict(point["plan"])
+    return Method(name, f"calibrated frontier plan {point['name']} ({point['memory']:.3f} of FP16 on held-out text)",
+                  lambda arch: plan, scales=profile.static_scales())
+
+
 def get(name: str, profile=None) -> Method:
     """The method called ``name`` (profile methods from ``profile``); ``ValueError`` listing the valid names
     otherwise."""
-    if name == "kvguard":
+    if name == "kvguard" or name.startswith("kvguard@") or name == LIVE or name.startswith(LIVE + ":"):
         if profile is None:
-            raise ValueError("method 'kvguard' needs a calibration profile: pass --profile (see `kvguard calibrate`)")
-        return from_profile(profile)
+            raise ValueError(f"method {name!r} needs a calibration profile: pass --profile (see `kvguard calibrate`)")
+        if name == "kvguard":
+            return from_profile(profile)
+        if name.startswith("kvguard@"):
+            return frontier_method(name, profile)
+        return live_method(name, profile)
     try:
         return METHODS[name]
     except KeyError:
-        if name in PROFILE_METHODS:
-            raise ValueError(f"method {name!r} needs the run-time feedback loop, not available yet") from None
-        raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard]") from None
+        raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard, kvguard@<bytes>, "
+                         f"kvguard-live, kvguard-live:<static method>]") from None
+
+
+def live_method(name: str, profile) -> Method:
+    """``kvguard-live`` (the profile's plan) or ``kvguard-live:<base>`` (a static method's plan) under the
+    feedback loop."""
+    base_name = name.split(":", 1)[1] if ":" in name else "kvguard"
+    if base_name.startswith(LIVE):
+        raise ValueError(f"{name!r}: the loop runs over a static method, not over another live one")
+    base = get(base_name, profile)
+    if not base.simulatable:
+        raise ValueError(f"{name!r}: the loop runs over a kvguard plan; {base_name!r} is transformers' own cache")
+    return Method(name, f"feedback loop over {base_name} (entropy monitor, selective recomputation, dynamic "
+                        f"precision, rollback)", base.plan, scales=profile.static_scales(), profile=profile, live=True)
 
 
 def kv_bytes(cache) -> tuple[int, int]:

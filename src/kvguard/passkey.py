@@ -98,7 +98,11 @@ def run(model, tokenizer, method, lengths: list[int], depths: list[float], trial
             correct = 0
             for trial in range(trials):
                 ids, key = build_prompt(tokenizer, length, depth, seed=length * 1000 + round(depth * 100) * 10 + trial)
-                correct += is_correct(answer(model, tokenizer, ids, method.make_cache(model)), key)
+                if method.live:  # the feedback loop decodes through its own session
+                    reply = tokenizer.decode(method.session(model).generate(ids, 8), skip_special_tokens=True)
+                else:
+                    reply = answer(model, tokenizer, ids, method.make_cache(model))
+                correct += is_correct(reply, key)
                 bar.update()
             results.append(PasskeyResult(method.name, length, depth, trials, correct))
     bar.close()

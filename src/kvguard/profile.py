@@ -36,6 +36,7 @@ TENSORS_NAME = "tensors.safetensors"
 MONITOR_DEFAULTS = {
     "window_tokens": 32,          # sliding mean over the last 32 tokens
     "refresh_tokens": 8,          # refreshed every 8 tokens
+    "baseline_tokens": 64,        # drops are measured against the sequence's own level (time constant)
     "warn_drop": 0.20,            # warn when the window mean falls 20 % below baseline
     "trigger_drop": 0.25,         # recompute after 3 consecutive tokens 25 % below baseline
     "trigger_consecutive": 3,
@@ -89,6 +90,18 @@ class Profile:
 
     def entropy_baseline(self) -> EntropyBaseline:
         return EntropyBaseline.from_tensors(self.tensors)
+
+    def risk_classifier(self):
+        """The run-time risk classifier trained during calibration (``None`` in profiles without one)."""
+        from kvguard.risk import RiskClassifier
+
+        data = self.meta.get("risk_classifier")
+        if data is None:
+            return None
+        try:
+            return RiskClassifier.from_dict(data)
+        except ValueError as err:
+            raise ProfileError(f"profile {self.path or ''}: {err}") from None
 
     def check_model(self, model) -> None:
         """Raise :class:`ProfileError` unless ``model`` is the model this profile was calibrated on."""

@@ -35,6 +35,9 @@ ATTN_NAME = "kvguard_simulation"
 # ``simulation()``.
 _ACTIVE_PLAN: contextvars.ContextVar[tuple[Plan, StaticScales | None] | None] = contextvars.ContextVar(
     "kvguard_simulation", default=None)
+# An optional observer of every simulated layer (``kvguard.signals`` records the monitor's evidence with it):
+# called as ``observer(layer, probs, quantized, k_fp, k_q, v_fp, v_q, attention_mask)``.
+OBSERVER: contextvars.ContextVar = contextvars.ContextVar("kvguard_simulation_observer", default=None)
 
 
 def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tensor]:
@@ -110,6 +113,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if attention_mask is not None:
         scores = scores + attention_mask.to(torch.float32)
     probs = torch.softmax(scores, dim=-1)
+    observer = OBSERVER.get()
+    if observer is not None:
+        observer(layer_idx, probs, quantized, k_fp, k_q, v_fp, v_q, attention_mask)
     off_diag_fp = probs.masked_fill(quantized | diagonal, 0.0)
     out = probs.masked_fill(~quantized, 0.0) @ expand(v_q) + off_diag_fp @ expand(v_fp)
     out = out + probs.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * expand(value.to(torch.float32))

@@ -28,6 +28,8 @@ def measure(model_name: str, method_name: str, context: int, new_tokens: int, pr
     model, tok = models.load(model_name)
     method = methods.get(method_name, Profile.load(profile_path, model) if profile_path else None)
     ids = data.token_stream("long", "eval", tok, context).unsqueeze(0)
+    if method.live:
+        return _measure_live(method, model, ids, new_tokens, method_name, context)
     cache = method.make_cache(model)
     logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
     nxt = logits.argmax(-1, keepdim=True)
@@ -44,6 +46,29 @@ def measure(model_name: str, method_name: str, context: int, new_tokens: int, pr
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "kv_bytes": stored,
         "kv_bytes_ratio": stored / fp16,
+    }
+
+
+def _measure_live(method, model, ids, new_tokens: int, method_name: str, context: int) -> dict:
+    """Decode speed under the feedback loop: prefill, then ``new_tokens`` greedy steps through the session
+    (monitoring steps and any compensation they trigger included)."""
+    session = method.session(model)
+    nxt = int(session.prefill(ids[0]).argmax())
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        nxt = int(session.step(nxt).argmax())
+    seconds = time.perf_counter() - t0
+    stored, fp16 = session.cache.nbytes(), session.cache.fp16_nbytes()
+    return {
+        "method": method_name,
+        "context": context,
+        "new_tokens": new_tokens,
+        "tok_s": new_tokens / seconds,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "kv_bytes": stored,
+        "kv_bytes_ratio": stored / fp16,
+        "monitoring_steps": session.counters.steps,
+        "acted_steps": session.counters.acted_steps,
     }
 
 
