@@ -31,3 +31,7 @@ done
 if [[ "${FULL:-0}" == 1 ]]; then
   calibrate smollm2-135m 0.34 5000
 fi
+# The run-time feedback loop over those profiles (trigger rate, aggressive plan, pass key, speed, signal).
+for model in smollm2-135m gemma3-270m; do
+  benchmarks/live.sh "$model" "$PROFILES/$model-512"
+done

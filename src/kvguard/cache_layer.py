@@ -112,6 +112,7 @@ class KVGuardLayer(CacheLayerMixin):
         self._overlay_k = self._overlay_v = None  # [B, H, P, D]
         self.offset = 0  # absolute position of the first stored token
         self.read_fp_from = 0  # positions from here on were read at full precision by the last update
+        self.stored_last_update = False  # the last update quantized a group
         self.length = 0  # tokens seen so far
         self.is_initialized = False
         self._error: torch.Tensor | None = None  # [H, capacity, 2] relative K/V error per absolute position
@@ -229,6 +230,7 @@ class KVGuardLayer(CacheLayerMixin):
             if self.track_error and pl.key_spec is not None:
                 self._track(part, first, (k, v), (k_new, v_new))
         run.length += keys.shape[-2]
+        self.stored_last_update = True
 
     def _track(self, part: _Part, first: int, originals, encoded) -> None:
         """Record the evidence a quantization leaves: per-position relative error, values outside the
@@ -263,6 +265,7 @@ class KVGuardLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self.read_fp_from = self.window_start()  # this read sees positions from here on at full precision
         past_k, past_v = self.materialize(key_states.dtype)
+        self.stored_last_update = False
         self._append(key_states, value_states)
         self._trim()
         if past_k.shape[-2] == 0:

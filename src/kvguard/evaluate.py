@@ -64,7 +64,8 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
     for method in resolved:
         simulated = _use_simulation(method, chunk, simulate)
         if progress:
-            _log(f"{corpus}: {method.name} ({'simulated' if simulated else f'streamed, chunk {chunk}'}, {tokens} tokens)")
+            how = "simulated" if simulated else ("live, chunk 1" if method.live else f"streamed, chunk {chunk}")
+            _log(f"{corpus}: {method.name} ({how}, {tokens} tokens)")
         row = Row(method.name, corpus, "simulated" if simulated else ("live" if method.live else "streamed"))
         try:
             if method.live:

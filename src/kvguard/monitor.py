@@ -275,23 +275,24 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                                              scale=scaling, is_causal=mask is None and t > 1)
         return out.transpose(1, 2).contiguous(), None
     n = key.shape[2]
-    scores = (query.view(b, hkv, rep, d).float() @ key.float().transpose(-1, -2)) * scaling  # [B, Hkv, rep, T]
+    cache_layer = live.cache.layers[layer]
+    scores = (query.view(b, hkv, rep, d).float() * scaling) @ key.float().transpose(-1, -2)  # [B, Hkv, rep, T]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
+    if attention_mask is not None and (b > 1 or cache_layer.is_sliding):  # one unpadded full layer: all zeros
         scores = scores + attention_mask[..., :n].float().view(attention_mask.shape[0], 1, 1, n)
     probs = torch.softmax(scores, dim=-1)
     out = (probs.to(value.dtype) @ value).view(b, hq, 1, d)
-    cache_layer = live.cache.layers[layer]
     first = cache_layer.length - n  # absolute position of the first key (stored past, then the new token)
     error = None
     if cache_layer.track_error:
-        # Positions the read saw quantized: before the window as it was when update() read the past (the
-        # group this token pushed out of the window was still read at full precision).
-        end = max(first, min(cache_layer.read_fp_from, first + n))
-        error = cache_layer.error_evidence()[:, first:end]
-        if error.shape[1] < n:
-            error = torch.cat([error, error.new_zeros(error.shape[0], n - error.shape[1], 2)], dim=1)
+        buffer = cache_layer.error_evidence()
+        if not cache_layer.stored_last_update:
+            error = buffer[:, first:first + n]  # zeros from the window on
+        else:
+            # This token pushed a group out of the window: the read still saw it at full precision.
+            end = max(first, cache_layer.read_fp_from)
+            error = torch.cat([buffer[:, first:end], buffer.new_zeros(buffer.shape[0], first + n - end, 2)], dim=1)
     live.monitor.observe(layer, probs, first, error)
     return out.transpose(1, 2).contiguous(), None
 
