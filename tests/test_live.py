@@ -127,3 +127,26 @@ def test_fault_injection_alarms_escalates_and_rolls_back_to_fp16(smollm2, baseli
             ref_logits = model(input_ids=torch.tensor([[token]]), cache=ref_cache, use_cache=True).logits[0, -1]
     assert generated == ref[:len(generated)]
     assert session.recompute_fraction() > 0.5
+
+
+def test_recomputation_respects_what_sliding_layers_still_hold(gemma3):
+    """Gemma 3: positions whose sliding-window context is still stored reproduce an FP16 cache; older ones
+    are refused (their recomputed K/V would be wrong above the first sliding layer)."""
+    model, tok = gemma3
+    from kvguard.entropy import EntropyBaseline
+
+    arch = Architecture.from_config(model.config)
+    nan = torch.full((arch.num_layers, arch.num_query_heads, 17), float("nan"))
+    baseline = EntropyBaseline(nan, nan, nan, torch.ones(arch.num_layers, arch.num_query_heads))
+    plan = Plan.uniform(arch, "fp16", CacheConfig(residual=32, sinks=4, group_size=32, fp_dtype="model"))
+    session = LiveSession(model, plan, baseline, config=MonitorConfig(refresh_tokens=10_000))
+    session.prefill(data.token_stream("code", "eval", tok, 700))
+    first = session.first_recomputable()
+    assert first == session.cache.layers[0].offset + arch.sliding_window - 1 and 0 < first < 700
+    before = [layer.materialize(torch.float32) for layer in session.cache.layers]
+    session.recompute(list(range(arch.num_layers)), torch.tensor([first, first + 5, 699]))
+    for layer, (k0, v0) in zip(session.cache.layers, before):
+        k1, v1 = layer.materialize(torch.float32)
+        assert (k1 - k0).abs().max() <= 1e-3 and (v1 - v0).abs().max() <= 1e-3
+    with pytest.raises(ValueError, match="sliding-window"):
+        session.recompute([5], torch.tensor([first - 1]))

@@ -273,6 +273,7 @@ class LiveSession:
         lo = hi if share == "max" else lo
         end = self.length
         score = torch.zeros(end)
+        first = self.first_recomputable()
         quantized = 0
         room = []
         for l in layers:
@@ -289,6 +290,7 @@ class LiveSession:
             layer_score = torch.zeros(end)
             layer_score[q] = mass[q] * err[q]
             score += layer_score
+        score[:first] = 0.0
         k = min(ceil_fraction(lo, quantized), max(room, default=0))
         candidates = int((score > 0).sum())
         k = min(k, candidates)
@@ -296,16 +298,29 @@ class LiveSession:
             return torch.zeros(0, dtype=torch.long)
         return torch.topk(score, k).indices.sort().values
 
+    def first_recomputable(self) -> int:
+        """The first position whose K/V can be recomputed from the cache: a sliding-window layer that has
+        dropped old tokens no longer holds the context of positions less than a window after its first
+        stored token, and their recomputed K/V would be wrong in every layer above it."""
+        first = 0
+        for layer in self.cache.layers:
+            if layer.is_sliding and layer.offset > 0:
+                first = max(first, layer.offset + layer.sliding_window - 1)
+        return first
+
     @torch.no_grad()
     def recompute(self, layers: list[int], positions: torch.Tensor) -> int:
         """Recompute full-precision K/V of ``positions`` (absolute, ascending) by running the model on those
         tokens at their positions against the cache, and write them into ``layers``. Returns the number of
-        (layer, position) pairs written."""
+        (layer, position) pairs written. Positions before :meth:`first_recomputable` are refused."""
         positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).sort().values
         if positions.numel() == 0:
             return 0
         if int(positions[-1]) >= self.length or int(positions[0]) < 0:
             raise ValueError(f"positions must lie in [0, {self.length})")
+        if int(positions[0]) < self.first_recomputable():
+            raise ValueError(f"positions before {self.first_recomputable()} cannot be recomputed: the sliding-window "
+                             f"layers no longer hold their context")
         device = self.model.device
         ids = torch.tensor(self.ids, device=device)[positions.to(device)].view(1, -1)
         view = RecomputeView(self.cache)
