@@ -37,7 +37,10 @@ def measure(model_name: str, method_name: str, context: int, new_tokens: int, pr
     for _ in range(new_tokens):
         nxt = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
     seconds = time.perf_counter() - t0
-    stored, fp16 = methods.kv_bytes(cache)
+    return _row(method_name, context, new_tokens, seconds, *methods.kv_bytes(cache))
+
+
+def _row(method_name: str, context: int, new_tokens: int, seconds: float, stored: int, fp16: int, **extra) -> dict:
     return {
         "method": method_name,
         "context": context,
@@ -46,6 +49,7 @@ def measure(model_name: str, method_name: str, context: int, new_tokens: int, pr
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "kv_bytes": stored,
         "kv_bytes_ratio": stored / fp16,
+        **extra,
     }
 
 
@@ -58,18 +62,8 @@ def _measure_live(method, model, ids, new_tokens: int, method_name: str, context
     for _ in range(new_tokens):
         nxt = int(session.step(nxt).argmax())
     seconds = time.perf_counter() - t0
-    stored, fp16 = session.cache.nbytes(), session.cache.fp16_nbytes()
-    return {
-        "method": method_name,
-        "context": context,
-        "new_tokens": new_tokens,
-        "tok_s": new_tokens / seconds,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "kv_bytes": stored,
-        "kv_bytes_ratio": stored / fp16,
-        "monitoring_steps": session.counters.steps,
-        "acted_steps": session.counters.acted_steps,
-    }
+    return _row(method_name, context, new_tokens, seconds, session.cache.nbytes(), session.cache.fp16_nbytes(),
+                monitoring_steps=session.counters.steps, acted_steps=session.counters.acted_steps)
 
 
 def run(model_name: str, method_names: list[str], contexts: list[int], new_tokens: int, progress: bool = True,
