@@ -5,30 +5,18 @@ import json
 import pytest
 import torch
 
+from conftest import small_config as _config
 from kvguard import cli
-from kvguard.calibrate import CalibrationConfig, calibrate
+from kvguard.calibrate import calibrate
 from kvguard.profile import Profile, ProfileError
-from kvguard.search import Objective, Searcher
+from kvguard.search import Searcher
 
 pytestmark = pytest.mark.slow
 
-# Latency does not enter the score here (beta 0): the two runs below measure it separately, and the test
-# is about the rest of the pipeline being deterministic.
-OBJECTIVE = Objective(beta=0.0, memory_budget=0.40, max_ppl_increase=2.0)
-
-
-def _config(out, **kw) -> CalibrationConfig:
-    settings = dict(samples=8, domains=("prose", "code"), max_tokens=64, batch_size=4, heldout_tokens=512,
-                    context=512, head_layers=1, latency_context=128, objective=OBJECTIVE)
-    settings.update(kw)
-    return CalibrationConfig("smollm2-135m", out, **settings)
-
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory, smollm2):
-    out = tmp_path_factory.mktemp("cal") / "profile"
-    calibrate(_config(out), progress=False)
-    return Profile.load(out, smollm2[0])
+def calibrated(small_profile_dir, smollm2):
+    return Profile.load(small_profile_dir, smollm2[0])
 
 
 def test_profile_holds_everything_the_runtime_needs(calibrated, smollm2):

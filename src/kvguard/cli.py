@@ -11,7 +11,6 @@ from kvguard import __version__
 
 # Subcommands that later work adds; listed so `kvguard --help` shows the whole shape of the tool.
 _PLANNED = {
-    "serve": "OpenAI-compatible server with Prometheus metrics (planned)",
     "export": "calibrated scales for vLLM / SGLang (planned)",
 }
 
@@ -286,6 +285,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """OpenAI-compatible HTTP server (:mod:`kvguard.serve`)."""
+    from kvguard.profile import ProfileError
+    from kvguard.serve import ServeConfig, serve
+
+    try:
+        cfg = ServeConfig(args.model, args.profile, args.host, args.port, args.api_key, args.max_concurrency,
+                          args.max_queue, args.max_prompt_tokens, args.max_new_tokens, args.torch_threads, args.log_file)
+        serve(cfg)
+    except (ValueError, ProfileError, OSError) as err:
+        print(f"kvguard serve: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _planned(name: str):
     def run(args: argparse.Namespace) -> int:
         print(f"kvguard {name}: not available in kvguard {__version__} yet ({_PLANNED[name]})", file=sys.stderr)
@@ -377,6 +391,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan new tokens start from: the profile's, or a static method such as int4 (default: %(default)s)")
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: every request under the feedback loop, "
+                                      "Prometheus metrics")
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or local model folder (default: %(default)s)")
+    p.add_argument("--profile", required=True, help="calibration profile of the model (from `kvguard calibrate`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("KVGUARD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $KVGUARD_API_KEY)")
+    p.add_argument("--max-concurrency", type=int, default=4, help="requests decoding at once (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=32,
+                   help="requests waiting for a worker; beyond, 429 (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="most tokens one request may generate (default: %(default)s)")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch threads; 0: the cores shared among the workers (default: %(default)s)")
+    p.add_argument("--log-file", help="append the JSON log lines here instead of stderr")
+    p.set_defaults(func=cmd_serve)
 
     for name, text in _PLANNED.items():
         sub.add_parser(name, help=text).set_defaults(func=_planned(name))

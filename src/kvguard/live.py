@@ -118,6 +118,7 @@ class LiveSession:
         self.start_step = plan.cache.sinks + plan.cache.residual + plan.cache.group_size
         self.rolled_back_at: int | None = None
         self._since_step = 0
+        self.last_step: dict | None = None  # the last monitoring step's window drop per layer and whether it acted
 
     @classmethod
     def from_profile(cls, model, profile, plan: Plan | None = None, **kwargs) -> "LiveSession":
@@ -237,6 +238,7 @@ class LiveSession:
             acted |= self._dynamic_precision(risk, base)
         acted |= self._cool_down(base)
         c.acted_steps += acted
+        self.last_step = {"drop": drop, "monitored": monitored, "acted": acted}
         self.recent.append(acted)
         window_rate = sum(self.recent) / len(self.recent)
         if (not c.recalibration_recommended and len(self.recent) >= min(32, cfg.trigger_rate_steps)

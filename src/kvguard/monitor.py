@@ -322,11 +322,13 @@ def live_attention(model, monitor: TokenMonitor, cache, recompute: _Recompute | 
     """Within this block, ``model`` attends through the monitor (see module docstring)."""
     previous = model.config._attn_implementation
     token = _ACTIVE.set(_Live(monitor, cache, recompute))
-    model.set_attn_implementation(ATTN_NAME)
+    if previous != ATTN_NAME:  # a server sets it once for good: sessions on other threads keep running through it
+        model.set_attn_implementation(ATTN_NAME)
     try:
         yield
     finally:
-        model.set_attn_implementation(previous)
+        if previous != ATTN_NAME:
+            model.set_attn_implementation(previous)
         _ACTIVE.reset(token)
 
 
