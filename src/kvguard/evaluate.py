@@ -24,7 +24,7 @@ class Row:
 
     method: str
     corpus: str
-    mode: str  # "simulated" (one parallel pass, exact chunk-1 semantics), "streamed", or "live" (feedback loop)
+    mode: str  # "simulated" (parallel passes, exact chunk-1 semantics), "streamed", or "live" (feedback loop)
     kv_bytes: int | None = None
     kv_bytes_ratio: float | None = None
     ppl: float | None = None
@@ -41,8 +41,13 @@ def _log(message: str) -> None:
     print(f"[kvguard eval] {message}", file=sys.stderr, flush=True)
 
 
+# Tokens per forward pass when a chunk-invariant cache (the ``fp8`` methods) scores chunk-1 decoding: any chunking
+# is exact for it, and this bounds the logits held at once ([chunk, vocab], 262k wide for Gemma 3).
+ONE_PASS_CHUNK = 256
+
+
 def _use_simulation(method: methods_mod.Method, chunk: int, simulate: str) -> bool:
-    return simulate != "off" and chunk == 1 and method.simulatable
+    return simulate != "off" and chunk == 1 and (method.simulatable or method.chunk_invariant)
 
 
 def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[str], *, chunk: int = 1,
@@ -54,7 +59,7 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
     names = ["fp16"] + [n for n in method_names if n != "fp16"]
     resolved = [methods_mod.get(n, profile) for n in names]  # unknown names fail before any work
     if simulate == "on":
-        bad = [m.name for m in resolved if not m.simulatable]
+        bad = [m.name for m in resolved if not (m.simulatable or m.chunk_invariant)]
         if bad or chunk != 1:
             raise ValueError(f"--simulate on needs chunk 1 and static methods; not simulatable: {bad}")
     arch = Architecture.from_config(model.config)
@@ -77,6 +82,11 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
                 stored, fp16 = session.cache.nbytes(), session.cache.fp16_nbytes()
                 row.trigger_rate = session.trigger_rate
                 row.recompute_fraction = session.recompute_fraction()
+            elif simulated and method.chunk_invariant:
+                cache = method.make_cache(model)
+                score = score_stream(model, ids, cache, chunk=ONE_PASS_CHUNK, reference=reference,
+                                     keep_logits=reference is None, progress=progress, desc=method.name)
+                stored, fp16 = methods_mod.kv_bytes(cache)
             elif simulated:
                 plan = method.plan(arch)
                 score = score_simulated(model, ids, plan, reference=reference, keep_logits=reference is None,

@@ -11,11 +11,15 @@
   scales; needs ``--profile``.
 - ``kvguard@<bytes>``: the profile's Pareto-frontier plan storing at most ``<bytes>`` of FP16 (e.g.
   ``kvguard@0.25``), a more aggressive calibrated plan.
+- ``fp8`` / ``fp8:head`` / ``fp8:sglang``: the FP8-E4M3 cache a serving engine keeps with the scales
+  ``kvguard export`` writes from the profile (:mod:`kvguard.fp8`): vLLM per tensor (the plan's FP16 layers
+  skipped), vLLM per KV head, SGLang (one scale per layer for K and V, no layer skipped). Needs ``--profile``.
 - ``kvguard-live``: that plan decoded under the run-time feedback loop (:mod:`kvguard.live`);
   ``kvguard-live:<static method>`` runs the loop over another plan (e.g. ``kvguard-live:int2``) with the
   profile's baseline, classifier and thresholds. Needs ``--profile``; always streamed token by token.
 
-Static methods (a :class:`~kvguard.plan.Plan`) can be scored by the fast simulation; peers always stream.
+Static methods (a :class:`~kvguard.plan.Plan`) can be scored by the fast simulation, the ``fp8`` methods by one
+pass over the stream (their cache is chunk-invariant); peers always stream.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvguard.config import CacheConfig
+from kvguard.fp8 import FP8Scales, Granularity, fp8_scales
 from kvguard.models import Architecture
 from kvguard.plan import Plan, StaticScales
 
@@ -40,6 +45,7 @@ class Method:
         plan: for kvguard's own static methods, the plan for a given architecture; ``None`` for peers.
         peer: the :mod:`kvguard.peers` name for transformers' caches.
         scales: calibrated INT8 ranges the plan's INT8 heads use (profile methods).
+        fp8: the static FP8 scales of the ``fp8`` methods (an engine's FP8 cache, :mod:`kvguard.fp8`).
     """
 
     name: str
@@ -49,10 +55,17 @@ class Method:
     scales: StaticScales | None = None
     profile: object = None  # the calibration profile of live methods
     live: bool = False
+    fp8: FP8Scales | None = None
 
     @property
     def simulatable(self) -> bool:
         return self.plan is not None and not self.live
+
+    @property
+    def chunk_invariant(self) -> bool:
+        """The cache gives attention the same inputs however the stream is chunked (static scales, every token
+        quantized once, new tokens included), so a few long chunks score chunk-1 decoding exactly."""
+        return self.fp8 is not None
 
     def session(self, model, **kwargs):
         """A fresh :class:`~kvguard.live.LiveSession` for one sequence (live methods only)."""
@@ -69,6 +82,8 @@ class Method:
             raise ValueError(f"method {self.name!r} decodes through a LiveSession (Method.session), not a bare cache")
         if self.plan is not None:
             return self.plan(Architecture.from_config(model.config)).make_cache(model.config, self.scales)
+        if self.fp8 is not None:
+            return self.fp8.make_cache(model.config)
         from kvguard import peers
 
         return peers.make_cache(self.peer, model)
@@ -96,8 +111,17 @@ METHODS: dict[str, Method] = {
     )
 }
 # Methods that need a calibration profile (``--profile``).
-PROFILE_METHODS = ("kvguard", "kvguard-live")
+PROFILE_METHODS = ("kvguard", "kvguard-live", "fp8", "fp8:head", "fp8:sglang")
 LIVE = "kvguard-live"
+# The engine FP8 caches: name -> (fp8_scales arguments, description).
+FP8_METHODS: dict[str, tuple[dict, str]] = {
+    "fp8": (dict(granularity=Granularity.TENSOR),
+            "vLLM FP8-E4M3 cache, exported per-tensor scales, the plan's FP16 layers skipped"),
+    "fp8:head": (dict(granularity=Granularity.HEAD),
+                 "vLLM FP8-E4M3 cache, exported per-KV-head scales, the plan's FP16 layers skipped"),
+    "fp8:sglang": (dict(granularity=Granularity.TENSOR, shared_kv=True, skip_fp16=False),
+                   "SGLang FP8-E4M3 cache, one exported scale per layer for K and V, no layer skipped"),
+}
 
 
 def from_profile(profile) -> Method:
@@ -127,9 +151,20 @@ def frontier_method(name: str, profile) -> Method:
                   lambda arch: plan, scales=profile.static_scales())
 
 
+def fp8_method(name: str, profile) -> Method:
+    """``fp8``, ``fp8:head`` or ``fp8:sglang``: an engine's FP8 cache with the scales ``kvguard export`` writes."""
+    kwargs, description = FP8_METHODS[name]
+    return Method(name, f"{description} ({profile.model_name} profile)", fp8=fp8_scales(profile, **kwargs))
+
+
 def get(name: str, profile=None) -> Method:
     """The method called ``name`` (profile methods from ``profile``); ``ValueError`` listing the valid names
     otherwise."""
+    if name in FP8_METHODS:
+        if profile is None:
+            raise ValueError(f"method {name!r} needs a calibration profile: pass --profile (its scales are what "
+                             f"`kvguard export` writes)")
+        return fp8_method(name, profile)
     if name == "kvguard" or name.startswith("kvguard@") or name == LIVE or name.startswith(LIVE + ":"):
         if profile is None:
             raise ValueError(f"method {name!r} needs a calibration profile: pass --profile (see `kvguard calibrate`)")
@@ -142,7 +177,7 @@ def get(name: str, profile=None) -> Method:
         return METHODS[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard, kvguard@<bytes>, "
-                         f"kvguard-live, kvguard-live:<static method>]") from None
+                         f"kvguard-live, kvguard-live:<static method>, {', '.join(FP8_METHODS)}]") from None
 
 
 def live_method(name: str, profile) -> Method:
@@ -153,7 +188,7 @@ def live_method(name: str, profile) -> Method:
         raise ValueError(f"{name!r}: the loop runs over a static method, not over another live one")
     base = get(base_name, profile)
     if not base.simulatable:
-        raise ValueError(f"{name!r}: the loop runs over a kvguard plan; {base_name!r} is transformers' own cache")
+        raise ValueError(f"{name!r}: the loop runs over a kvguard plan; {base_name!r} is not one ({base.description})")
     return Method(name, f"feedback loop over {base_name} (entropy monitor, selective recomputation, dynamic "
                         f"precision, rollback)", base.plan, scales=profile.static_scales(), profile=profile, live=True)
 
