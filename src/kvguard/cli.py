@@ -11,7 +11,6 @@ from kvguard import __version__
 
 # Subcommands that later work adds; listed so `kvguard --help` shows the whole shape of the tool.
 _PLANNED = {
-    "export": "calibrated scales for vLLM / SGLang (planned)",
 }
 
 
@@ -297,6 +296,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, ProfileError, OSError) as err:
         print(f"kvguard serve: error: {err}", file=sys.stderr)
         return 2
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A profile's calibrated ranges as the FP8 KV-cache scales vLLM or SGLang loads."""
+    from kvguard import export
+    from kvguard.fp8 import describe
+    from kvguard.profile import Profile, ProfileError
+
+    try:
+        spec = export.ExportSpec(args.format, args.granularity)
+        profile = Profile.load(args.profile)
+        manifest = export.export(profile, spec, args.out, force=args.force)
+    except (ValueError, ProfileError) as err:
+        print(f"kvguard export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{spec.format.value} export of {manifest['model']['name']} (fingerprint "
+          f"{manifest['model']['fingerprint'][:19]}...) written to {args.out}: {', '.join(manifest['files'])}")
+    print(describe(spec.scales(profile)))
+    if spec.format is export.ExportFormat.SGLANG and manifest["plan_fp16_layers"]:
+        print(f"note: SGLang quantizes every layer; the plan's FP16 layers {manifest['plan_fp16_layers']} are FP8 there")
+    print(f"engine arguments: {' '.join(manifest['engine_args'])} (see {os.path.join(args.out, export.README_NAME)})")
+    print(f"what it will do, on CPU: kvguard eval --profile {args.profile} --methods fp16,kvguard,{spec.eval_method}")
     return 0
 
 
@@ -410,6 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads; 0: the cores shared among the workers (default: %(default)s)")
     p.add_argument("--log-file", help="append the JSON log lines here instead of stderr")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("export", help="calibrated FP8 KV-cache scales for vLLM / SGLang")
+    p.add_argument("--profile", required=True, help="calibration profile (from `kvguard calibrate`)")
+    p.add_argument("--format", required=True, choices=["vllm", "sglang"], help="serving engine")
+    p.add_argument("--out", required=True, help="directory to write (a previous export there is replaced)")
+    p.add_argument("--granularity", default="tensor", choices=["tensor", "head"],
+                   help="one scale per layer (tensor) or per layer and KV head (head, vllm only) (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="replace --out even if it holds other files (they are deleted)")
+    p.set_defaults(func=cmd_export)
 
     for name, text in _PLANNED.items():
         sub.add_parser(name, help=text).set_defaults(func=_planned(name))
