@@ -204,6 +204,8 @@ def test_vllm_export_loads_with_safetensors_and_compressed_tensors(profile, tmp_
         assert manifest["engine_args"] == ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0", "7", "29"]
         assert manifest["model"]["fingerprint"] == profile.fingerprint
         assert json.loads((out / "kvguard_export.json").read_text()) == manifest
+        again = export(profile, ExportSpec("vllm", granularity), tmp_path / "again")
+        assert again["files"] == manifest["files"]  # byte-for-byte reproducible
         readme = (out / "README.md").read_text()
         assert "vllm serve served-model --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 7 29" in readme
         assert profile.fingerprint in readme

@@ -148,7 +148,9 @@ def export(profile, spec: ExportSpec, out: str | os.PathLike, *, force: bool = F
     if spec.format is ExportFormat.VLLM:
         from safetensors.torch import save
 
-        files[SCALES_NAME] = save(vllm_tensors(scales), metadata={"format": "pt", "source": KIND})
+        # One metadata key: safetensors writes a metadata map in no fixed order, and exports should be
+        # byte-for-byte reproducible (the manifest's SHA-256s).
+        files[SCALES_NAME] = save(vllm_tensors(scales), metadata={"format": "pt"})
         files[CONFIG_NAME] = _json({"quantization_config": vllm_quantization_config(spec.granularity)})
     else:
         files[SGLANG_NAME] = _json(sglang_params(scales, model["model_type"]))
@@ -236,8 +238,8 @@ def readme(manifest: dict, scales: FP8Scales) -> str:
         f"- source profile: `{manifest['profile']['path']}` (tensors sha256 `{manifest['profile']['tensors_sha256']}`)",
         f"- {describe(scales)}",
         f"- scales: `{manifest['scale_formula']}`, from the profile's calibrated absmax and its plan's clip ratios",
-        f"- what the engine will do, measured on CPU: `kvguard eval --profile PROFILE --methods fp16,kvguard,"
-        f"{manifest['eval_method']}`",
+        f"- what the engine will do, measured on CPU: `kvguard eval --model {model['name']} --profile "
+        f"{manifest['profile']['path']} --methods fp16,kvguard,{manifest['eval_method']}`",
         "",
         "| file | sha256 |",
         "|---|---|",
@@ -254,18 +256,19 @@ def readme(manifest: dict, scales: FP8Scales) -> str:
             "```bash",
             "cp -r MODEL_DIR served-model",
             f"cp {SCALES_NAME} served-model/",
-            "python - <<'EOF'",
+            "python - <<'PY'",
             "import json",
             "config = json.load(open('served-model/config.json'))",
             f"config.update(json.load(open('{CONFIG_NAME}')))",
             "json.dump(config, open('served-model/config.json', 'w'), indent=2)",
-            "EOF",
+            "PY",
             f"vllm serve served-model {args}",
             "```",
             "",
             "If the model folder has `model.safetensors.index.json`, add the scale names to its `weight_map` "
             f"(pointing to `{SCALES_NAME}`): vLLM reads only indexed files. A model that already has a "
-            "compressed-tensors `quantization_config` keeps it: add only the `kv_cache_scheme` entry.",
+            "compressed-tensors `quantization_config` keeps it: add only the `kv_cache_scheme` entry. Leave "
+            "`--calculate-kv-scales` off, or vLLM replaces these scales with ones measured on the first batch.",
         ]
         if manifest["skip_layers"]:
             lines += ["", f"Layers {', '.join(map(str, manifest['skip_layers']))} are the plan's FP16 tier: "
@@ -282,6 +285,8 @@ def readme(manifest: dict, scales: FP8Scales) -> str:
             "With tensor parallelism N, copy the `\"0\"` entry of `scaling_factor` to `\"1\"` ... `\"N-1\"` "
             "(per-tensor scales are the same on every rank).",
         ]
+        lines += ["", "SGLang reads the file only for model classes that implement `load_kv_cache_scales` (the Llama "
+                      "family does)."]
         if manifest["plan_fp16_layers"]:
             lines += ["", f"SGLang quantizes every layer: the plan's FP16 layers "
                           f"({', '.join(map(str, manifest['plan_fp16_layers']))}) are stored in FP8 too."]
