@@ -287,6 +287,19 @@ def test_fp8_methods_run_on_real_text_close_to_fp16(profile, smollm2):
 
 
 @pytest.mark.slow
+def test_fp8_cache_generates_and_eval_needs_a_profile(profile, smollm2, capsys):
+    model, tok = smollm2
+    cache = methods.get("fp8", profile).make_cache(model)
+    inputs = tok("The Roman Empire", return_tensors="pt")
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert out.shape[1] == inputs.input_ids.shape[1] + 6
+    assert cache.layers[1].keys.dtype == torch.float8_e4m3fn and cache.layers[0].keys.dtype == torch.float16
+    assert cache.get_seq_length() == out.shape[1] - 1
+    assert cli.main(["eval", "--methods", "fp16,fp8"]) == 2
+    assert "method 'fp8' needs a calibration profile" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_one_pass_scoring_is_chunk_one_decoding_exactly(profile, smollm2):
     """In float64 the model's own rounding noise cannot flip an FP8 code, so chunk-1 decoding and the
     long-chunk passes eval uses must agree bit for bit (in float32, a few codes sitting on a rounding

@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="quality, memory and speed through the cache, side by side with peers")
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local model folder (default: %(default)s)")
-    p.add_argument("--profile", help="calibration profile (for the kvguard / kvguard-live methods)")
+    p.add_argument("--profile", help="calibration profile (for the kvguard / kvguard-live / fp8 methods)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (default: %(default)s)")
     p.add_argument("--task", default="ppl", choices=["ppl", "passkey", "speed"], help="what to measure (default: %(default)s)")
     p.add_argument("--corpus", default="prose", help="comma-separated eval corpora: prose, code, dialog, long (default: %(default)s)")
