@@ -317,7 +317,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if spec.format is export.ExportFormat.SGLANG and manifest["plan_fp16_layers"]:
         print(f"note: SGLang quantizes every layer; the plan's FP16 layers {manifest['plan_fp16_layers']} are FP8 there")
     print(f"engine arguments: {' '.join(manifest['engine_args'])} (see {os.path.join(args.out, export.README_NAME)})")
-    print(f"what it will do, on CPU: kvguard eval --profile {args.profile} --methods fp16,kvguard,{spec.eval_method}")
+    print(f"what it will do, on CPU: kvguard eval --model {manifest['model']['name']} --profile {args.profile} "
+          f"--methods fp16,kvguard,{spec.eval_method}")
     return 0
 
 
