@@ -12,9 +12,11 @@ def test_help_lists_the_subcommands():
         assert name in out
 
 
-def test_planned_subcommand_says_so(capsys):
-    assert cli.main(["serve"]) == 2
-    assert "not available" in capsys.readouterr().err
+def test_subcommands_name_their_missing_arguments(capsys):
+    for name, missing in (("serve", "--profile"), ("export", "--profile, --format, --out")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([name])
+        assert exc.value.code == 2 and f"the following arguments are required: {missing}" in capsys.readouterr().err
 
 
 def test_unknown_model_is_a_clear_error(capsys):

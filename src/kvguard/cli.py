@@ -9,11 +9,6 @@ import time
 
 from kvguard import __version__
 
-# Subcommands that later work adds; listed so `kvguard --help` shows the whole shape of the tool.
-_PLANNED = {
-}
-
-
 DEFAULT_METHODS = "fp16,int8,int4,int2,kivi-4,kivi-2,hf-quanto-4,hf-quanto-2,hf-hqq-4"
 
 
@@ -322,14 +317,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _planned(name: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"kvguard {name}: not available in kvguard {__version__} yet ({_PLANNED[name]})", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvguard",
@@ -441,9 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one scale per layer (tensor) or per layer and KV head (head, vllm only) (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="replace --out even if it holds other files (they are deleted)")
     p.set_defaults(func=cmd_export)
-
-    for name, text in _PLANNED.items():
-        sub.add_parser(name, help=text).set_defaults(func=_planned(name))
     return parser
 
 
