@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "test-key"
 MAX_NEW = 64
+WORKERS = 2
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 
@@ -30,12 +32,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(small_profile_dir, tmp_path_factory):
-    """(port, log path): one worker and one waiting slot, so the queue fills with two requests."""
+    """(port, log path): two workers and one waiting slot, so three requests fill it. The server uses as many
+    torch threads as this process, so its greedy decoding can be compared with an in-process one."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "requests.jsonl"
     cmd = [sys.executable, "-m", "kvguard", "serve", "--profile", str(small_profile_dir), "--port", str(port),
-           "--api-key", KEY, "--max-concurrency", "1", "--max-queue", "1", "--max-prompt-tokens", "200",
-           "--max-new-tokens", str(MAX_NEW), "--log-file", str(log)]
+           "--api-key", KEY, "--max-concurrency", str(WORKERS), "--max-queue", "1", "--max-prompt-tokens", "200",
+           "--max-new-tokens", str(MAX_NEW), "--log-file", str(log), "--torch-threads", str(torch.get_num_threads())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -161,6 +164,20 @@ def test_bad_requests_get_clear_4xx(server, smollm2):
     assert _request(port, "GET", "/v1/completions")[0] == 405
 
 
+def test_concurrent_requests_decode_as_they_do_alone(server):
+    port, _ = server
+    client = _client(port)
+    prompts = ["The Roman Empire", "def fibonacci(n):", "Once upon a time"]
+
+    def complete(prompt):
+        return client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+
+    alone = [complete(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # two decode together, the third waits in the queue
+        together = list(pool.map(complete, prompts))
+    assert together == alone
+
+
 def _open_stream(port, max_tokens):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", "/v1/chat/completions", body=json.dumps(
@@ -186,15 +203,15 @@ def _wait_idle(port, seconds=60):
 def test_full_queue_answers_429_and_a_disconnect_frees_the_request(server):
     port, log = server
     _wait_idle(port)
-    running, waiting = _open_stream(port, MAX_NEW), _open_stream(port, MAX_NEW)
+    streams = [_open_stream(port, MAX_NEW) for _ in range(WORKERS + 1)]  # every worker busy, the queue full
     status, body, resp = _request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 429 and body["error"]["code"] == "server_busy" and resp.getheader("Retry-After") == "1"
-    running.close()
-    waiting.close()
+    for conn in streams:
+        conn.close()
     idle = _wait_idle(port)
     assert idle["active"] == [] and idle["kv_bytes"] == 0
     cancelled = [r for r in _log(log) if r["event"] == "request" and r["status"] == "cancelled"]
-    assert len(cancelled) == 2 and all(r["completion_tokens"] < MAX_NEW for r in cancelled)
+    assert len(cancelled) == WORKERS + 1 and all(r["completion_tokens"] < MAX_NEW for r in cancelled)
     # Capacity is back.
     assert _request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
 
@@ -237,7 +254,7 @@ def test_metrics_status_and_dashboard(server, smollm2):
     assert {s.labels["kind"] for s in after["kvguard_compensation_actions"].samples} >= {"light", "heavy", "rollback"}
     status = _request(port, "GET", "/v1/kvguard/status")[1]
     assert len(status["plan"]) == 30 and status["last_request"]["tokens"] >= 180
-    assert status["requests"]["max_concurrency"] == 1 and status["peak_rss_bytes"] > 0
+    assert status["requests"]["max_concurrency"] == WORKERS and status["peak_rss_bytes"] > 0
     # Every metric the Grafana dashboard plots is one the server exports.
     dashboard = json.loads((DEPLOY / "grafana" / "kvguard-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
@@ -245,3 +262,37 @@ def test_metrics_status_and_dashboard(server, smollm2):
     assert used and used <= set(after), used - set(after)
     scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"][0]
     assert scrape["metrics_path"] == "/metrics" and scrape["authorization"]["type"] == "Bearer"
+
+
+class _CharTokenizer:
+    """Token i is the i-th character of ``chars``; 99 is a lone UTF-8 lead byte (decodes to U+FFFD)."""
+
+    def __init__(self, chars):
+        self.chars = chars
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\ufffd" if i == 99 else self.chars[i] for i in ids)
+
+
+def test_text_stream_holds_back_stop_prefixes_and_half_characters():
+    from kvguard.serve import TextStream
+
+    tok = _CharTokenizer("ab.cEND")
+    stream = TextStream(tok, ("END",))
+    out = [stream.add(t) for t in (0, 1, 2, 3)]  # "ab.c": the last 2 characters may start "END"
+    assert "".join(out) == "ab" and not stream.stopped
+    assert stream.add(4) == "." and stream.add(5) == "c" and not stream.stopped  # "ab.cEN": "EN" held back
+    assert stream.add(6) == "" and stream.stopped and stream.text == "ab.c"  # "END" cut, nothing of it sent
+    plain = TextStream(tok, ())
+    assert plain.add(0) == "a" and plain.add(99) == "" and plain.flush() == ""
+
+
+def test_sampling_greedy_and_nucleus():
+    from kvguard.serve import sample
+
+    logits = torch.tensor([0.0, 3.0, 2.9, -5.0])
+    assert sample(logits, 0.0, 1.0, None) == 1
+    g = torch.Generator().manual_seed(0)
+    # top_p 0.5 keeps only the most likely token (it alone has about half the mass).
+    assert {sample(logits, 1.0, 0.5, g) for _ in range(50)} == {1}
+    assert {sample(logits, 1.0, 1.0, g) for _ in range(200)} == {0, 1, 2}  # token 3 has ~0.0002 of the mass
