@@ -346,8 +346,6 @@ class Metrics:
 
     def event(self, event: dict) -> None:
         self.actions.labels(action_kind(event["action"])).inc()
-        if event["action"] in ("light", "heavy", "precision_up"):
-            self.recomputed.inc(event.get("positions", 0) * max(1, len(event.get("layers", []))))
 
     def finished(self, session) -> None:
         stored, fp16 = session.cache.nbytes(), session.cache.fp16_nbytes()
@@ -514,7 +512,7 @@ class Engine:
             text = TextStream(self.tok, r.stop)
             logits = session.prefill(torch.tensor(r.prompt_ids))
             eos = None if r.ignore_eos else self.tok.eos_token_id
-            finish, first_token_at, generated, steps_seen = "length", None, 0, 0
+            finish, first_token_at, generated, steps_seen, recomputed = "length", None, 0, 0, 0
             while generated < r.max_tokens:
                 if job.cancelled.is_set():
                     finish = "cancelled"
@@ -541,6 +539,8 @@ class Engine:
                     steps_seen = session.counters.steps
                     s = session.last_step
                     self.metrics.monitoring_step(bool(s["acted"]), s["drop"], s["monitored"])
+                    self.metrics.recomputed.inc(session.counters.recomputed_positions - recomputed)
+                    recomputed = session.counters.recomputed_positions
                 if generated % 8 == 0:
                     job.snapshot = _snapshot(session)
                     self._publish_live()
