@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from kvguard.entropy import NUM_BINS, EntropyAccumulator, attention_entropy, length_bin
@@ -42,3 +43,20 @@ def test_baseline_round_trips_through_tensors():
     base = acc.finish()
     again = type(base).from_tensors(base.tensors())
     assert torch.equal(again.count, base.count) and torch.equal(again.normalized, base.normalized)
+
+
+def test_merge_adds_the_sums_of_another_accumulator():
+    # Batch 1: one row, queries see 1, 2 keys; batch 2: one row, queries see 1, 2, 3 keys (bins 0, 1, 1).
+    first, second = EntropyAccumulator(1, 1), EntropyAccumulator(1, 1)
+    first.add(0, torch.tensor([[[0.0, 0.5]]]), torch.tensor([1, 2]))
+    second.add(0, torch.tensor([[[0.0, 0.25, 1.0]]]), torch.tensor([1, 2, 3]))
+    merged = EntropyAccumulator(1, 1).merge(first).merge(second)
+    assert merged.count[0, 0, :3].tolist() == [2.0, 3.0, 0.0]
+    assert merged.sum[0, 0, 1].item() == 1.75 and merged.sumsq[0, 0, 1].item() == 0.25 + 0.0625 + 1.0
+    # H / log n summed over queries with n >= 2: 0.5 / log 2 + 0.25 / log 2 + 1 / log 3, over 3 queries.
+    assert math.isclose(merged.norm_sum[0, 0].item(), 0.75 / math.log(2) + 1 / math.log(3), rel_tol=1e-12)
+    assert merged.norm_count[0, 0].item() == 3.0
+    base = merged.finish()
+    assert math.isclose(float(base.mean[0, 0, 1]), 1.75 / 3, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="shape"):
+        merged.merge(EntropyAccumulator(2, 1))

@@ -11,7 +11,8 @@ from kvguard.config import CacheConfig
 from kvguard.models import Architecture
 from kvguard.plan import LayerPlan, Plan, StaticScales
 from kvguard.scoring import score_simulated, score_stream
-from kvguard.statistics import KVStatistics, batches_by_length, collect, entropy_rows
+from kvguard.entropy import EntropyAccumulator
+from kvguard.statistics import BatchStatistics, KVStatistics, batches_by_length, collect, entropy_rows, merge
 
 
 def _history(means, stds, maxs):
@@ -35,6 +36,28 @@ def test_aggregate_pools_batches_by_token_count():
     assert float(agg["key.max"]) == 5.0 and float(agg["key.min"]) == -10.0 and float(agg["key.absmax"]) == 10.0
     again = KVStatistics.from_tensors(stats.tensors())
     assert torch.equal(again.tokens, stats.tokens)
+
+
+def _batch(value: float, tokens: int, entropy: float) -> BatchStatistics:
+    history = {k: v[:1] * value for k, v in _history([1.0], [0.5], [2.0]).items()}
+    acc = EntropyAccumulator(1, 1)
+    acc.add(0, torch.tensor([[[0.0, entropy]]]), torch.tensor([1, 2]))
+    return BatchStatistics(KVStatistics(history, torch.tensor([tokens])), acc)
+
+
+def test_merge_keeps_batches_in_order_and_adds_entropy_sums():
+    stats, baseline = merge([_batch(1.0, 10, 0.5), _batch(3.0, 30, 0.25), _batch(2.0, 20, 1.0)])
+    assert stats.tokens.tolist() == [10, 30, 20]
+    assert stats.history["key.mean"].view(-1).tolist() == [1.0, 3.0, 2.0]
+    assert stats.history["value.max"].view(-1).tolist() == [2.0, 6.0, 4.0]
+    # Bin 1 (two keys) got 0.5, 0.25 and 1.0; bin 0 three zeros.
+    assert baseline.count[0, 0, :2].tolist() == [3.0, 3.0]
+    assert math.isclose(float(baseline.mean[0, 0, 1]), 1.75 / 3, rel_tol=1e-6)
+    # Stacking shards of the history is the history of all batches.
+    whole = KVStatistics.concat([stats, KVStatistics.concat([_batch(5.0, 5, 0.0).statistics])])
+    assert whole.num_batches == 4 and whole.history["key.min"].view(-1).tolist() == [-4.0, -12.0, -8.0, -20.0]
+    with pytest.raises(ValueError, match="no calibration batches"):
+        merge([])
 
 
 def test_batches_group_similar_lengths_without_padding():

@@ -93,6 +93,18 @@ class EntropyAccumulator:
             self.norm_sum[layer] += (e[:, keep] / torch.log(n[keep])).sum(1)
             self.norm_count[layer] += batch * int(keep.sum())
 
+    def merge(self, other: "EntropyAccumulator") -> "EntropyAccumulator":
+        """Add ``other``'s sums into this one (in place; returns ``self``).
+
+        Float addition is not associative, so a merge is exact only against the same merges in the same
+        order: :func:`kvguard.statistics.merge` folds one accumulator per batch, in batch order, whichever
+        process collected each batch."""
+        if self.sum.shape != other.sum.shape:
+            raise ValueError(f"cannot merge entropy sums of shape {tuple(other.sum.shape)} into {tuple(self.sum.shape)}")
+        for name in ("sum", "sumsq", "count", "norm_sum", "norm_count"):
+            getattr(self, name).add_(getattr(other, name))
+        return self
+
     def finish(self) -> EntropyBaseline:
         count = self.count
         mean = torch.where(count > 0, self.sum / count.clamp_min(1), torch.full_like(count, float("nan")))

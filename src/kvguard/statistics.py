@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,25 @@ class KVStatistics:
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str = "stats.") -> "KVStatistics":
         history = {f"{k}.{s}": tensors[f"{prefix}batch.{k}.{s}"] for k in KINDS for s in STATS}
         return cls(history, tensors[f"{prefix}batch.tokens"])
+
+    @classmethod
+    def concat(cls, parts: list["KVStatistics"]) -> "KVStatistics":
+        """The histories of ``parts`` one after another (exact: batches are only stacked, in order)."""
+        if not parts:
+            raise ValueError("no statistics to concatenate")
+        history = {k: torch.cat([p.history[k] for p in parts]) for k in parts[0].history}
+        return cls(history, torch.cat([p.tokens for p in parts]))
+
+
+@dataclass(frozen=True)
+class BatchStatistics:
+    """What one calibration batch contributes: its row of K/V statistics and its attention-entropy sums.
+
+    The unit of work of statistics collection, in one process or spread over workers
+    (:mod:`kvguard.distributed`); :func:`merge` puts batches back together."""
+
+    statistics: KVStatistics  # num_batches == 1
+    entropy: EntropyAccumulator
 
 
 class _Recorder:
@@ -179,17 +199,37 @@ def batches_by_length(samples: list[torch.Tensor], batch_size: int) -> list[torc
 
 
 @torch.no_grad()
+def collect_batch(model, ids: torch.Tensor) -> BatchStatistics:
+    """Run one ``[B, T]`` batch through ``model``'s decoder with the FP cache semantics and record it."""
+    arch = Architecture.from_config(model.config)
+    recorder = _Recorder(arch, arch.num_query_heads)
+    with _recording(model, recorder):
+        recorder.start_batch()
+        model.base_model(input_ids=ids.to(model.device), use_cache=False)
+        recorder.end_batch(ids.numel())
+    return BatchStatistics(recorder.statistics(), recorder.entropy)
+
+
+def merge(batches: Iterable[BatchStatistics]) -> tuple[KVStatistics, EntropyBaseline]:
+    """The per-batch K/V statistics and the attention-entropy baseline of ``batches``, given in batch order.
+
+    Exact wherever each batch was collected: the history is stacked in order, and the entropy sums are folded
+    one batch at a time from zero, the same additions in the same order."""
+    parts, total = [], None
+    for batch in batches:
+        parts.append(batch.statistics)
+        if total is None:
+            total = EntropyAccumulator(*batch.entropy.norm_sum.shape)
+        total.merge(batch.entropy)
+    if total is None:
+        raise ValueError("no calibration batches to collect statistics from")
+    return KVStatistics.concat(parts), total.finish()
+
+
 def collect(model, batches: list[torch.Tensor], *, progress: bool = True) -> tuple[KVStatistics, EntropyBaseline]:
     """Run every ``[B, T]`` batch through ``model``'s decoder with the FP cache semantics and return the
     per-batch K/V statistics and the attention-entropy baseline."""
     if not batches:
         raise ValueError("no calibration batches to collect statistics from")
-    arch = Architecture.from_config(model.config)
-    recorder = _Recorder(arch, arch.num_query_heads)
-    decoder = model.base_model
-    with _recording(model, recorder):
-        for ids in tqdm(batches, desc="statistics", unit="batch", disable=not progress):
-            recorder.start_batch()
-            decoder(input_ids=ids.to(model.device), use_cache=False)
-            recorder.end_batch(ids.numel())
-    return recorder.statistics(), recorder.entropy.finish()
+    bar = tqdm(batches, desc="statistics", unit="batch", disable=not progress)
+    return merge(collect_batch(model, ids) for ids in bar)
