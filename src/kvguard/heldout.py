@@ -45,25 +45,51 @@ class PlanScore:
         return {"kl": self.kl, "ppl_increase_pct": dict(self.ppl_increase_pct), "top1_agree": self.top1_agree}
 
 
-class HeldOut:
-    """Held-out streams with their FP16 reference, ready to score plans."""
+@dataclass(frozen=True)
+class Reference:
+    """The FP16 cache's predictions on the held-out streams, per domain.
 
-    def __init__(self, model, streams: dict[str, torch.Tensor]) -> None:
+    Attributes:
+        logprobs: ``[T - 1, vocab]`` next-token log-probabilities (float32: ``T * vocab * 4`` bytes).
+        nll: mean next-token NLL.
+        token_nll: ``[T - 1]`` NLL of each actual next token.
+    """
+
+    logprobs: dict[str, torch.Tensor]
+    nll: dict[str, float]
+    token_nll: dict[str, torch.Tensor]
+
+    @classmethod
+    def measure(cls, model, streams: dict[str, torch.Tensor]) -> "Reference":
+        fp16 = Plan.uniform(Architecture.from_config(model.config), "fp16")
+        logprobs, nll, token_nll = {}, {}, {}
+        for domain, ids in streams.items():
+            score = score_simulated(model, ids, fp16, keep_logits=True)
+            logprobs[domain] = torch.log_softmax(score.logits, dim=-1)
+            nll[domain] = score.nll
+            targets = ids[1:].to(score.logits.device)
+            token_nll[domain] = -logprobs[domain].gather(-1, targets[:, None])[:, 0]
+        return cls(logprobs, nll, token_nll)
+
+
+class HeldOut:
+    """Held-out streams with their FP16 reference, ready to score plans.
+
+    ``reference``: the :class:`Reference` of the same model on the same streams, measured elsewhere (another
+    process reuses the driver's instead of running the FP16 pass again); measured here when omitted."""
+
+    def __init__(self, model, streams: dict[str, torch.Tensor], reference: Reference | None = None) -> None:
         if not streams:
             raise ValueError("no held-out streams")
         self.model = model
         self.arch = Architecture.from_config(model.config)
         self.streams = streams
-        self.references: dict[str, torch.Tensor] = {}
-        self.reference_nll: dict[str, float] = {}
-        self.reference_token_nll: dict[str, torch.Tensor] = {}
-        fp16 = Plan.uniform(self.arch, "fp16")
-        for domain, ids in streams.items():
-            score = score_simulated(model, ids, fp16, keep_logits=True)
-            self.references[domain] = torch.log_softmax(score.logits, dim=-1)
-            self.reference_nll[domain] = score.nll
-            targets = ids[1:].to(score.logits.device)
-            self.reference_token_nll[domain] = -self.references[domain].gather(-1, targets[:, None])[:, 0]
+        self.reference = Reference.measure(model, streams) if reference is None else reference
+        if set(self.reference.logprobs) != set(streams):
+            raise ValueError(f"the reference covers {sorted(self.reference.logprobs)}, the streams {sorted(streams)}")
+        self.references = self.reference.logprobs
+        self.reference_nll = self.reference.nll
+        self.reference_token_nll = self.reference.token_nll
 
     @property
     def tokens(self) -> int:
