@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from kvguard import __version__, data
+from kvguard.distributed import RayConfig, open_executor, require_ray
 from kvguard.entropy import EntropyBaseline
 from kvguard.heldout import HeldOut
 from kvguard.monitor import MonitorConfig
@@ -40,7 +42,7 @@ from kvguard.profile import MONITOR_DEFAULTS, Profile
 from kvguard.search import LAYOUTS, Candidate, LatencyModel, Objective, Searcher, best, level2_targets, measure_latency, pareto_front
 from kvguard.sensitivity import Sensitivity, measure, ranking_table
 from kvguard.signals import fit_monitor
-from kvguard.statistics import KVStatistics, batches_by_length, collect
+from kvguard.statistics import KVStatistics, batches_by_length, merge
 
 RECOMMENDED_SAMPLES = 5000
 STAGES = ("statistics", "latency", "level1", "sensitivity", "level2", "level3", "monitor")
@@ -193,10 +195,16 @@ def _library_versions() -> dict:
             "safetensors": safetensors.__version__}
 
 
-def calibrate(cfg: CalibrationConfig, *, resume: bool = False, progress: bool = True) -> Profile:
-    """Run (or resume) the calibration and write the profile to ``cfg.out``."""
+def calibrate(cfg: CalibrationConfig, *, resume: bool = False, progress: bool = True,
+              ray: RayConfig | None = None) -> Profile:
+    """Run (or resume) the calibration and write the profile to ``cfg.out``.
+
+    ``ray``: run the statistics, sensitivity and search stages on Ray workers (:mod:`kvguard.distributed`)
+    instead of in this process; the profile is the same bit for bit."""
     from kvguard import models
 
+    if ray is not None:
+        require_ray()  # fail before minutes of loading, not after
     if cfg.samples < RECOMMENDED_SAMPLES:
         _log(f"warning: {cfg.samples} samples is below the {RECOMMENDED_SAMPLES} recommended; statistics and the "
              f"entropy baseline will be noisier (use --samples {RECOMMENDED_SAMPLES} for a production profile)")
@@ -232,61 +240,69 @@ def calibrate(cfg: CalibrationConfig, *, resume: bool = False, progress: bool = 
     _log(f"data: {manifest['samples']} samples ({manifest['tokens']} tokens) from {', '.join(cfg.domains)}; "
          f"held-out slice {sum(s.numel() for s in streams.values())} tokens")
 
-    def run_statistics():
-        batches = batches_by_length(samples, cfg.batch_size)
-        stats, entropy = collect(model, batches, progress=progress)
-        return {"manifest": manifest, "batches": len(batches)}, {**stats.tensors(), **entropy.tensors()}
+    # Statistics, sensitivity and search run on the executor; the latency and monitor stages in this process.
+    executor = open_executor(cfg.model, model, ray, log=_log)
+    try:
+        def run_statistics():
+            batches = batches_by_length(samples, cfg.batch_size)
+            collected = tqdm(executor.statistics(batches), total=len(batches), desc="statistics", unit="batch",
+                             disable=not progress)
+            stats, entropy = merge(collected)
+            return {"manifest": manifest, "batches": len(batches)}, {**stats.tensors(), **entropy.tensors()}
 
-    stats_meta, stats_tensors = stage("statistics", run_statistics)
-    agg = KVStatistics.aggregate_from(stats_tensors)
+        stats_meta, stats_tensors = stage("statistics", run_statistics)
+        agg = KVStatistics.aggregate_from(stats_tensors)
 
-    def run_latency():
-        return measure_latency(model, LAYOUTS["window-64"], context=cfg.latency_context, progress=progress).to_dict(), None
+        def run_latency():
+            return measure_latency(model, LAYOUTS["window-64"], context=cfg.latency_context, progress=progress).to_dict(), None
 
-    latency = LatencyModel.from_dict(stage("latency", run_latency)[0])
-    _log(f"latency model (decode step / FP16 at {latency.context} tokens): "
-         + ", ".join(f"{t} {r:.2f}" for t, r in latency.ratios.items()))
+        latency = LatencyModel.from_dict(stage("latency", run_latency)[0])
+        _log(f"latency model (decode step / FP16 at {latency.context} tokens): "
+             + ", ".join(f"{t} {r:.2f}" for t, r in latency.ratios.items()))
 
-    heldout = HeldOut(model, streams)
-    scales = StaticScales(agg["key.absmax"], agg["value.absmax"])
-    searcher = Searcher(model, heldout, cfg.objective, latency, scales=scales, context=cfg.context, progress=progress)
+        heldout = HeldOut(model, streams)
+        scales = StaticScales(agg["key.absmax"], agg["value.absmax"])
+        searcher = Searcher(model, heldout, cfg.objective, latency, scales=scales, context=cfg.context, progress=progress,
+                            executor=executor)
 
-    def search_stage(name: str, run) -> list[Candidate]:
-        meta = stage(name, lambda: ({"candidates": [c.to_dict() for c in run()]}, None))[0]
-        return [Candidate.from_dict(c) for c in meta["candidates"]]
+        def search_stage(name: str, run) -> list[Candidate]:
+            meta = stage(name, lambda: ({"candidates": [c.to_dict() for c in run()]}, None))[0]
+            return [Candidate.from_dict(c) for c in meta["candidates"]]
 
-    level1 = search_stage("level1", searcher.level1)
-    l1_best = best(level1)
-    layout = l1_best.plan.cache
-    int8 = [c for c in level1 if c.plan.layers[0].uniform is Precision.INT8]
-    int8_kl = min(c.quality.kl for c in int8 if c.plan.cache == layout)
-    _log("level 1:\n" + "\n".join(f"  {c.name}: memory {c.memory:.3f}, ppl {c.ppl_increase_pct:+.2f} %, "
-                                   f"KL {c.quality.kl:.5f}, score {c.score:.3f}" for c in level1))
-    _log(f"level 1 choice: {l1_best.name}")
+        level1 = search_stage("level1", searcher.level1)
+        l1_best = best(level1)
+        layout = l1_best.plan.cache
+        int8 = [c for c in level1 if c.plan.layers[0].uniform is Precision.INT8]
+        int8_kl = min(c.quality.kl for c in int8 if c.plan.cache == layout)
+        _log("level 1:\n" + "\n".join(f"  {c.name}: memory {c.memory:.3f}, ppl {c.ppl_increase_pct:+.2f} %, "
+                                       f"KL {c.quality.kl:.5f}, score {c.score:.3f}" for c in level1))
+        _log(f"level 1 choice: {l1_best.name}")
 
-    def run_sensitivity():
-        sens = measure(heldout, layout, head_layers=cfg.head_layers, progress=progress)
-        return sens.to_dict(), sens.tensors()
+        def run_sensitivity():
+            sens = measure(heldout, layout, head_layers=cfg.head_layers, progress=progress, executor=executor)
+            return sens.to_dict(), sens.tensors()
 
-    sens_meta, sens_tensors = stage("sensitivity", run_sensitivity)
-    sens = Sensitivity.from_parts(sens_meta, sens_tensors)
-    print("\nSensitivity ranking (held-out calibration text; most sensitive first):")
-    print(ranking_table(sens, arch.layer_types, limit=12))
-    print(flush=True)
+        sens_meta, sens_tensors = stage("sensitivity", run_sensitivity)
+        sens = Sensitivity.from_parts(sens_meta, sens_tensors)
+        print("\nSensitivity ranking (held-out calibration text; most sensitive first):")
+        print(ranking_table(sens, arch.layer_types, limit=12))
+        print(flush=True)
 
-    # Level 2 allocates tiers in the two layouts whose all-INT4 plan scored best.
-    int4 = sorted((c for c in level1 if c.plan.layers[0].uniform is Precision.INT4), key=lambda c: (c.score, c.quality.kl))
+        # Level 2 allocates tiers in the two layouts whose all-INT4 plan scored best.
+        int4 = sorted((c for c in level1 if c.plan.layers[0].uniform is Precision.INT4), key=lambda c: (c.score, c.quality.kl))
 
-    def run_level2():
-        out = []
-        for c in int4[:2]:
-            targets = level2_targets(c, cfg.objective, min(c.memory for c in int8))
-            out += searcher.level2(sens, c.plan.cache, int8_kl, targets)
-        return out
+        def run_level2():
+            out = []
+            for c in int4[:2]:
+                targets = level2_targets(c, cfg.objective, min(c.memory for c in int8))
+                out += searcher.level2(sens, c.plan.cache, int8_kl, targets)
+            return out
 
-    level2 = search_stage("level2", run_level2)
-    l2_best = best(level1 + level2)
-    level3 = search_stage("level3", lambda: searcher.level3(l2_best, sens))
+        level2 = search_stage("level2", run_level2)
+        l2_best = best(level1 + level2)
+        level3 = search_stage("level3", lambda: searcher.level3(l2_best, sens))
+    finally:
+        executor.close()
     searcher.log = level1 + level2 + level3
     chosen = best(searcher.log)
     baseline = EntropyBaseline.from_tensors(stats_tensors)

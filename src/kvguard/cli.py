@@ -174,6 +174,7 @@ def _windows(stream, tokens: int, tok) -> list:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Model-specific calibration: statistics, sensitivity, hierarchical search, profile."""
     from kvguard.calibrate import CalibrationConfig, calibrate, refit_monitor
+    from kvguard.distributed import RayConfig, RayUnavailableError
     from kvguard.profile import ProfileError
     from kvguard.search import Objective
 
@@ -191,12 +192,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cfg = CalibrationConfig(args.model, args.out, args.samples, tuple(_csv(args.domains)), args.max_tokens,
                                 args.batch_size, args.heldout_tokens, args.context, args.head_layers,
                                 seed=args.seed, objective=objective)
+        if args.ray is None and (args.ray_workers is not None or args.ray_threads != 1):
+            raise ValueError("--ray-workers and --ray-threads need --ray")
+        ray = None if args.ray is None else RayConfig(args.ray, args.ray_workers, args.ray_threads)
     except ValueError as err:
         print(f"kvguard calibrate: error: {err}", file=sys.stderr)
         return 2
     try:
-        calibrate(cfg, resume=args.resume)
-    except ValueError as err:
+        calibrate(cfg, resume=args.resume, ray=ray)
+    except (ValueError, RayUnavailableError) as err:
         print(f"kvguard calibrate: error: {err}", file=sys.stderr)
         return 2
     return 0
@@ -383,6 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished stage")
     p.add_argument("--monitor-only", action="store_true",
                    help="recalibrate only the run-time monitor of the existing profile at --out (plan and statistics kept)")
+    p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="run statistics, sensitivity and search on Ray (same profile, bit for bit): alone, a private "
+                        "Ray on this machine; or a cluster address (auto, HOST:6379, ray://HOST:10001). Needs "
+                        "pip install 'kvguard[ray]'")
+    p.add_argument("--ray-workers", type=int, help="Ray workers, each loading the model once (default: the cluster's CPUs / --ray-threads)")
+    p.add_argument("--ray-threads", type=int, default=1, help="torch threads (and Ray CPUs) per Ray worker (default: %(default)s)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("report", help="plots and an HTML page for a calibration profile")

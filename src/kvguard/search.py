@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvguard.config import CacheConfig
+from kvguard.distributed import Executor, LocalExecutor
 from kvguard.heldout import HeldOut, PlanScore
 from kvguard.methods import static_kv_bytes
 from kvguard.models import Architecture
@@ -176,8 +177,10 @@ class Searcher:
     """Scores plans on held-out text and keeps the log of every candidate."""
 
     def __init__(self, model, heldout: HeldOut, objective: Objective, latency: LatencyModel, *,
-                 scales: StaticScales | None = None, context: int = 2048, progress: bool = True) -> None:
+                 scales: StaticScales | None = None, context: int = 2048, progress: bool = True,
+                 executor: Executor | None = None) -> None:
         self.model, self.heldout, self.objective, self.latency = model, heldout, objective, latency
+        self.executor = executor or LocalExecutor(model)  # where the held-out scores run
         self.scales = scales  # calibrated INT8 ranges: INT8 heads are scored as they will run
         self.arch = heldout.arch
         self.context = context
@@ -202,28 +205,32 @@ class Searcher:
         return self._bytes_cache[key]
 
     def evaluate(self, name: str, level: int, plan: Plan) -> Candidate:
-        stored, fp16 = static_kv_bytes(plan, self.model.config, self.context)
-        memory = stored / fp16
-        _, ref = self.layer_bytes(plan.cache)
-        latency = self.latency.plan_latency(plan, (ref / ref.sum()).float())
-        quality = self.heldout.score(plan, self.scales)
-        ppl = quality.worst_ppl_increase_pct
-        cand = Candidate(name, level, plan, memory, latency, quality, self.objective.score(memory, latency, quality.kl),
-                         self.objective.feasible(memory, ppl))
-        self.log.append(cand)
-        return cand
+        return self.evaluate_all([(name, level, plan)])[0]
+
+    def evaluate_all(self, todo: list[tuple[str, int, Plan]], desc: str | None = None) -> list[Candidate]:
+        """Score ``(name, level, plan)`` candidates (together, on the executor), log them in order and return them."""
+        qualities = self.executor.score(self.heldout, [plan for _, _, plan in todo], self.scales)
+        out = []
+        for (name, level, plan), quality in tqdm(zip(todo, qualities), total=len(todo), desc=desc, unit="plan",
+                                                  disable=not self.progress or desc is None):
+            stored, fp16 = static_kv_bytes(plan, self.model.config, self.context)
+            memory = stored / fp16
+            _, ref = self.layer_bytes(plan.cache)
+            latency = self.latency.plan_latency(plan, (ref / ref.sum()).float())
+            ppl = quality.worst_ppl_increase_pct
+            out.append(Candidate(name, level, plan, memory, latency, quality,
+                                 self.objective.score(memory, latency, quality.kl), self.objective.feasible(memory, ppl)))
+        self.log += out
+        return out
 
     # ------------------------------------------------------------------ level 1
     def level1(self) -> list[Candidate]:
         """Global precision x cache layout (all-INT2, far from any plan worth keeping, in the default layout
         only, as the floor of the frontier)."""
-        out = []
         default = next(iter(LAYOUTS))
-        todo = [(lname, layout, tier) for lname, layout in LAYOUTS.items() for tier in TIERS[1:]
-                if tier is not Precision.INT2 or lname == default]
-        for lname, layout, tier in tqdm(todo, desc="search level 1", unit="plan", disable=not self.progress):
-            out.append(self.evaluate(f"L1 all-{tier.value} {lname}", 1, Plan.uniform(self.arch, tier, layout)))
-        return out
+        todo = [(f"L1 all-{tier.value} {lname}", 1, Plan.uniform(self.arch, tier, layout))
+                for lname, layout in LAYOUTS.items() for tier in TIERS[1:] if tier is not Precision.INT2 or lname == default]
+        return self.evaluate_all(todo, "search level 1")
 
     # ------------------------------------------------------------------ level 2
     def unit_costs(self, sens: Sensitivity, int8_kl: float) -> torch.Tensor:
@@ -270,30 +277,31 @@ class Searcher:
 
     def level2(self, sens: Sensitivity, layout: CacheConfig, int8_kl: float, targets: list[float]) -> list[Candidate]:
         costs = self.unit_costs(sens, int8_kl)
-        out, seen = [], set()
-        for target in tqdm(targets, desc="search level 2", unit="plan", disable=not self.progress):
+        name = next(n for n, c in LAYOUTS.items() if c == layout) if layout in LAYOUTS.values() else "custom"
+        todo, seen = [], set()
+        for target in targets:
             plan = self.allocate(costs, layout, target)
             key = str(plan.to_dict())
-            if key in seen:
-                continue
-            seen.add(key)
-            name = next(n for n, c in LAYOUTS.items() if c == layout) if layout in LAYOUTS.values() else "custom"
-            out.append(self.evaluate(f"L2 mixed {name}, predicted memory <= {target:.3f}", 2, plan))
-        return out
+            if key not in seen:
+                seen.add(key)
+                todo.append((f"L2 mixed {name}, predicted memory <= {target:.3f}", 2, plan))
+        return self.evaluate_all(todo, "search level 2")
 
     # ------------------------------------------------------------------ level 3
     def level3(self, start: Candidate, sens: Sensitivity, layers: int = 2) -> list[Candidate]:
         """Greedy key-clipping search on the ``layers`` most sensitive quantized layers of ``start``."""
         quantized = [i for i in sens.layer_ranking() if any(p.is_quantized for p in start.plan.layers[i].precision)]
         current, out = start, []
-        steps = [(i, clip) for i in quantized[:layers] for clip in CLIP_GRID]
-        for i, clip in tqdm(steps, desc="search level 3", unit="plan", disable=not self.progress):
+        for i in quantized[:layers]:
+            # The clips of one layer are scored together: keeping one of them changes only layer i's key clip,
+            # which the next one sets anyway, so every clip's plan is the same as if they ran one by one.
             lp = current.plan.layers[i]
-            plan = current.plan.replace_layer(i, LayerPlan(lp.precision, clip, lp.value_clip))
-            cand = self.evaluate(f"L3 layer {i} key clip {clip}", 3, plan)
-            out.append(cand)
-            if cand.quality.kl < current.quality.kl:
-                current = cand
+            todo = [(f"L3 layer {i} key clip {clip}", 3, current.plan.replace_layer(i, LayerPlan(lp.precision, clip, lp.value_clip)))
+                    for clip in CLIP_GRID]
+            for cand in self.evaluate_all(todo, f"search level 3, layer {i}"):
+                out.append(cand)
+                if cand.quality.kl < current.quality.kl:
+                    current = cand
         return out
 
 

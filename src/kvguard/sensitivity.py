@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from kvguard.heldout import HeldOut
+from kvguard.distributed import Executor, LocalExecutor
+from kvguard.heldout import HeldOut, PlanScore
 from kvguard.plan import LayerPlan, Plan
 from kvguard.precision import Precision
 
@@ -74,10 +75,14 @@ def _with_layer(plan: Plan, index: int, precision: tuple[Precision, ...]) -> Pla
 
 
 def measure(heldout: HeldOut, cache_config, *, base: Precision | str = Precision.INT4,
-            aggressive: Precision | str = Precision.INT2, head_layers: int = 4, progress: bool = True) -> Sensitivity:
+            aggressive: Precision | str = Precision.INT2, head_layers: int = 4, progress: bool = True,
+            executor: Executor | None = None) -> Sensitivity:
     """Run the sensitivity analysis; ``head_layers``: how many of the most sensitive layers also get a
-    per-head measurement (only for models with more than one KV head)."""
+    per-head measurement (only for models with more than one KV head). The trials of each round (all
+    layers; then the heads of the layers that round ranked first) run on ``executor`` (default: this
+    process, one after another)."""
     base, aggressive = Precision.parse(base), Precision.parse(aggressive)
+    executor = executor or LocalExecutor(heldout.model)
     arch = heldout.arch
     n_layers, n_heads = arch.num_layers, arch.num_kv_heads
     fp16 = Plan.uniform(arch, Precision.FP16, cache_config)
@@ -86,22 +91,30 @@ def measure(heldout: HeldOut, cache_config, *, base: Precision | str = Precision
     total = 1 + 2 * n_layers + head_layers * n_heads
     bar = tqdm(total=total, desc="sensitivity", unit="plan", disable=not progress)
 
-    def score(plan):
-        s = heldout.score(plan)
-        bar.update(1)
-        return s
+    def scores(plans: list[Plan]) -> list[PlanScore]:
+        out = []
+        for s in executor.score(heldout, plans):
+            out.append(s)
+            bar.update(1)
+        return out
 
-    base_kl = score(based).kl
+    # Round 1: the base plan, then per layer "alone at aggressive" and "FP16 in the base plan".
+    layer_plans = [based]
+    for i in range(n_layers):
+        layer_plans += [_with_layer(fp16, i, (aggressive,) * n_heads), _with_layer(based, i, (Precision.FP16,) * n_heads)]
+    first = scores(layer_plans)
+    base_kl = first[0].kl
     alone_kl, alone_ppl, gain_kl = (torch.zeros(n_layers) for _ in range(3))
     for i in range(n_layers):
-        s = score(_with_layer(fp16, i, (aggressive,) * n_heads))
-        alone_kl[i], alone_ppl[i] = s.kl, s.worst_ppl_increase_pct
-        gain_kl[i] = base_kl - score(_with_layer(based, i, (Precision.FP16,) * n_heads)).kl
+        alone, gain = first[1 + 2 * i], first[2 + 2 * i]
+        alone_kl[i], alone_ppl[i] = alone.kl, alone.worst_ppl_increase_pct
+        gain_kl[i] = base_kl - gain.kl
+    # Round 2: each head of the most sensitive layers alone at aggressive.
     head_alone = torch.full((n_layers, n_heads), float("nan"))
-    for i in sorted(range(n_layers), key=lambda j: -float(alone_kl[j]))[:head_layers]:
-        for h in range(n_heads):
-            precision = tuple(aggressive if k == h else Precision.FP16 for k in range(n_heads))
-            head_alone[i, h] = score(_with_layer(fp16, i, precision)).kl
+    trials = [(i, h) for i in sorted(range(n_layers), key=lambda j: -float(alone_kl[j]))[:head_layers] for h in range(n_heads)]
+    plans = [_with_layer(fp16, i, tuple(aggressive if k == h else Precision.FP16 for k in range(n_heads))) for i, h in trials]
+    for (i, h), s in zip(trials, scores(plans)):
+        head_alone[i, h] = s.kl
     bar.close()
     return Sensitivity(base, aggressive, base_kl, alone_kl, alone_ppl, gain_kl, head_alone)
 
