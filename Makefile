@@ -17,10 +17,11 @@ test: $(STAMP)
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-assets.txt pyproject.toml
+$(STAMP): requirements.txt requirements-ray.txt requirements-assets.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements-ray.txt
 	$(PY) -m pip install -q --no-deps -r requirements-assets.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
