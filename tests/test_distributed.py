@@ -74,7 +74,7 @@ def test_ray_calibration_equals_the_single_process_run(ray_cluster, smollm2_4_la
     capsys.readouterr()
     distributed = calibrate(replace(_config(tmp_path / "ray"), model=model), progress=False, ray=RayConfig(workers=2))
     log = capsys.readouterr().err
-    assert "ray: 2 workers x 1 thread(s) on 1 node(s)" in log
+    assert "ray: 2 worker(s) x 1 thread(s) on 1 node(s)" in log
     assert f"from {Path(kvguard.__file__).parent}" in log  # the workers ran this kvguard
 
     # Every tensor: per-batch statistics (2 batches) and aggregates, entropy baseline, sensitivity, scales.

@@ -11,7 +11,9 @@ Stages (each checkpointed in ``<out>.partial/`` so ``--resume`` continues after 
 7. ``monitor`` — the run-time monitor: which layers' entropy alarms are meaningful (quiet under FP16) and the
    risk classifier (:func:`kvguard.signals.fit_monitor`);
 
-then the profile is assembled and written atomically. Calibration text comes from the ``calib`` split only:
+then the profile is assembled and written atomically. Stages 1, 3-6 hand their independent pieces (batches,
+trials, candidate plans) to an executor (:mod:`kvguard.distributed`): this process, or Ray workers with
+``ray=``, with the same result. Calibration text comes from the ``calib`` split only:
 the first documents of each domain form the held-out slice that scores candidates, the following ones the
 statistics samples; the evaluation split is never read.
 """

@@ -195,7 +195,7 @@ class RayExecutor:
                              "the same model files")
         if log is not None:
             nodes = sorted({d["node"] for d in self.described})
-            log(f"ray: {self.workers} workers x {config.threads} thread(s) on {len(nodes)} node(s) "
+            log(f"ray: {self.workers} worker(s) x {config.threads} thread(s) on {len(nodes)} node(s) "
                 f"({', '.join(nodes)}); kvguard {self.described[0]['version']} from {self.described[0]['kvguard']}")
 
     def _map(self, method: str, args: Sequence[tuple]) -> Iterator:
