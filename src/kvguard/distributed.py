@@ -176,7 +176,11 @@ class RayExecutor:
                          runtime_env={"env_vars": {"PYTHONPATH": path}})
             else:
                 ray.init(address=config.address, log_to_driver=False)
-        self.workers = config.workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // config.threads)
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        self.workers = config.workers or max(1, cpus // config.threads)
+        if self.workers * config.threads > cpus and log is not None:
+            log(f"ray: warning: {self.workers} workers x {config.threads} thread(s) need {self.workers * config.threads} "
+                f"CPUs, the cluster has {cpus}; the rest wait until it has them")
         actor = ray.remote(num_cpus=config.threads)(_RayWorker)
         self.actors = [actor.remote(model_name, config.threads) for _ in range(self.workers)]
         self._pool = ActorPool(self.actors)
