@@ -13,14 +13,12 @@ import pytest
 import torch
 
 import kvguard
+from conftest import small_config
 from kvguard import cli, models
 from kvguard.calibrate import calibrate
 from kvguard.distributed import RayConfig
 from kvguard.profile import Profile
 from kvguard.search import LatencyModel
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_calibrate import _config  # noqa: E402  (the small calibration settings the calibrate tests use)
 
 LAYERS = 4
 
@@ -68,11 +66,11 @@ def test_ray_calibration_equals_the_single_process_run(ray_cluster, smollm2_4_la
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        local = calibrate(replace(_config(tmp_path / "local"), model=model), progress=False)
+        local = calibrate(replace(small_config(tmp_path / "local"), model=model), progress=False)
     finally:
         torch.set_num_threads(threads)
     capsys.readouterr()
-    distributed = calibrate(replace(_config(tmp_path / "ray"), model=model), progress=False, ray=RayConfig(workers=2))
+    distributed = calibrate(replace(small_config(tmp_path / "ray"), model=model), progress=False, ray=RayConfig(workers=2))
     log = capsys.readouterr().err
     assert "ray: 2 worker(s) x 1 thread(s) on 1 node(s)" in log
     assert f"from {Path(kvguard.__file__).parent}" in log  # the workers ran this kvguard
