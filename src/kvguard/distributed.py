@@ -137,7 +137,7 @@ class _RayWorker(Worker):
     """The body of one Ray actor: loads the model itself, once."""
 
     def __init__(self, model_name: str, threads: int) -> None:
-        # Ray sets OMP_NUM_THREADS=1 in its workers; say the thread count explicitly so it is the one asked for.
+        # Ray sets OMP_NUM_THREADS in its workers from its own CPU accounting; set torch's count explicitly.
         torch.set_num_threads(threads)
         model, _ = models.load(model_name)
         super().__init__(model)
