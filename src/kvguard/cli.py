@@ -391,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run statistics, sensitivity and search on Ray (same profile, bit for bit): alone, a private "
                         "Ray on this machine; or a cluster address (auto, HOST:6379, ray://HOST:10001). Needs "
                         "pip install 'kvguard[ray]'")
-    p.add_argument("--ray-workers", type=int, help="Ray workers, each loading the model once (default: the cluster's CPUs / --ray-threads)")
-    p.add_argument("--ray-threads", type=int, default=1, help="torch threads (and Ray CPUs) per Ray worker (default: %(default)s)")
+    p.add_argument("--ray-workers", type=int, metavar="N", help="Ray workers, each loading the model once (default: the cluster's CPUs / --ray-threads)")
+    p.add_argument("--ray-threads", type=int, default=1, metavar="T", help="torch threads (and Ray CPUs) per Ray worker (default: %(default)s)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("report", help="plots and an HTML page for a calibration profile")
