@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from kvguard import __version__
-from kvguard.fp8 import FP8Scales, Granularity, describe, fp8_scales
+from kvguard.fp8 import FP8Scales, Granularity, describe, fp8_scales, parse_choice
 
 MANIFEST_NAME = "kvguard_export.json"
 README_NAME = "README.md"
@@ -53,10 +53,7 @@ class ExportFormat(str, Enum):
 
     @classmethod
     def parse(cls, value: "ExportFormat | str") -> "ExportFormat":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"format has to be one of [{', '.join(f.value for f in cls)}] but got {value!r}") from None
+        return parse_choice(cls, value, "format")
 
 
 class ExportError(ValueError):

@@ -34,6 +34,15 @@ FP_DTYPE = torch.float16  # skipped (FP16-tier) layers, as the engine stores the
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
+def parse_choice(cls: type[Enum], value, name: str):
+    """The member of the ``str`` enum ``cls`` whose value is ``value``, with an error that lists the valid
+    values under ``name``."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"{name} has to be one of [{', '.join(m.value for m in cls)}] but got {value!r}") from None
+
+
 class Granularity(str, Enum):
     """How many scales a layer's keys (and its values) share.
 
@@ -46,10 +55,7 @@ class Granularity(str, Enum):
 
     @classmethod
     def parse(cls, value: "Granularity | str") -> "Granularity":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"granularity has to be one of [{', '.join(g.value for g in cls)}] but got {value!r}") from None
+        return parse_choice(cls, value, "granularity")
 
 
 @dataclass(frozen=True)
