@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The run-time feedback loop's targets (issue 5), for one model and its calibration profile:
+# The run-time feedback loop's figures, for one model and its calibration profile:
 #   benchmarks/live.sh smollm2-135m benchmarks/profiles/smollm2-135m-512
 # Writes benchmarks/results/<model>-live*.{md,json}. Evaluation split only; thresholds come from the profile.
 set -euo pipefail

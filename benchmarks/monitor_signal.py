@@ -4,7 +4,7 @@
 
 For each eval corpus the text is decoded (exact simulation, chunk 1) under the profile's plan, all-INT4 and
 all-INT2 (the profile's cache layout), recording per token and layer what the run-time monitor sees
-(:mod:`kvguard.signals`) and the next-token ``KL(fp16 || plan)``. At the monitor's refresh points (32-token
+(:mod:`kvguard.calibration.signals`) and the next-token ``KL(fp16 || plan)``. At the monitor's refresh points (32-token
 windows every 8 tokens) a window is *bad* when its mean KL exceeds the classifier's threshold (0.01 nats,
 about a 1 % local perplexity cost). The table gives the ROC AUC of every signal for bad windows, pooled over
 the three plans, and how often the entropy alarms fire under an FP16 cache (false alarms by construction).
@@ -14,16 +14,17 @@ Nothing here is tuned: thresholds and the classifier come from the profile (cali
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvguard import data, models, signals
-    from kvguard.models import Architecture
-    from kvguard.monitor import MonitorConfig
+    from kvguard import data, models
+    from kvguard.architecture import Architecture
+    from kvguard.calibration import signals
+    from kvguard.calibration.monitor_fit import replay_alarms
+    from kvguard.evaluation.metrics import roc_auc
     from kvguard.plan import Plan
     from kvguard.profile import Profile
     from kvguard.simulate import first_quantized_query, simulate_logits
@@ -39,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = models.load(args.model)
     profile = Profile.load(args.profile, model)
     arch = Architecture.from_config(model.config)
-    cfg = MonitorConfig.from_dict(profile.monitor)
-    baseline, clf, scales = profile.entropy_baseline(), profile.risk_classifier(), profile.static_scales()
+    cfg = profile.meta.monitor
+    baseline, clf, scales = profile.entropy_baseline(), profile.meta.risk_classifier, profile.static_scales()
     monitored = list(cfg.layers) if cfg.layers is not None else list(range(arch.num_layers))
     layout = profile.plan.cache
     plans = {"plan": profile.plan, "int4": Plan.uniform(arch, "int4", layout), "int2": Plan.uniform(arch, "int2", layout)}
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = torch.log_softmax(simulate_logits(model, ids[:-1], fp16), -1)
         ref_sig = signals.record(model, ids, fp16, scales, reference_logprobs=ref)
         for adaptive in (True, False):
-            a = signals.alarms(ref_sig.drop(baseline, cfg.baseline_tokens, adaptive=adaptive), cfg, start)
+            a = replay_alarms(ref_sig.drop(baseline, cfg.baseline_tokens, adaptive=adaptive), cfg, start)
             fired = a["warning"] | a["trigger"]
             key = "sequence level" if adaptive else "calibrated baseline only"
             entry = false_alarms.setdefault(key, {"steps": 0, "any_layer": 0, "monitored": 0})
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 pooled[signal][1].append(label)
             rows.append({"corpus": corpus, "plan": name, "mean_kl": float(sig.kl.mean()), "windows": int(label.numel()),
                          "bad_windows": int(label.sum())})
-    auc = {signal: signals.roc_auc(torch.cat(s), torch.cat(l)) for signal, (s, l) in pooled.items()}
+    auc = {signal: roc_auc(torch.cat(s), torch.cat(l)) for signal, (s, l) in pooled.items()}
     print("| corpus | plan | mean KL | windows | bad windows (KL > 0.01) |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['corpus']} | {r['plan']} | {r['mean_kl']:.5f} | {r['windows']} | {r['bad_windows']} |")
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, e in false_alarms.items():
         print(f"| {key} | {e['steps']} | {100 * e['any_layer'] / e['steps']:.1f} % | {100 * e['monitored'] / e['steps']:.1f} % |")
     if args.json:
-        from kvguard.evaluate import write_json
+        from kvguard.evaluation.harness import write_json
 
         write_json(args.json, {"model": args.model, "tokens": args.tokens, "rows": rows, "auc": auc,
                                "fp16_false_alarms": false_alarms, "monitored_layers": monitored})

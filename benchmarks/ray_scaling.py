@@ -61,12 +61,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvguard-ray-scaling-") as tmp:
         for n in counts:
             wall, profile = run(args.model, args.samples, n, Path(tmp) / f"workers-{n}", extra)
-            rows.append({"workers": n, "wall_s": wall, "seconds": profile.meta["run"]["seconds"], "profile": profile})
+            rows.append({"workers": n, "wall_s": wall, "seconds": profile.meta.record["run"]["seconds"], "profile": profile})
     first = rows[0]["profile"]
     for row in rows:
         p = row.pop("profile")
         row["tensors_equal"] = all(same_bits(t, p.tensors[k]) for k, t in first.tensors.items() if k.startswith(COMPARED))
-        row["plan_equal"] = p.meta["plan"] == first.meta["plan"]
+        row["plan_equal"] = p.plan == first.plan
         row["distributed_s"] = sum(row["seconds"].get(s, 0.0) for s in DISTRIBUTED)
 
     base = rows[0]

@@ -3,6 +3,11 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Bit-for-bit checks across thread counts (calibration on Ray workers with 1 torch thread against this process's
+# 2, tests/calibration/test_distributed.py) need MKL's strict reproducibility mode on CPUs where MKL splits some
+# float32 matmuls (SmolLM2's MLP down_proj on 4 x 25 tokens) by thread count. MKL reads it once, when torch first
+# calls it: set here, before any test module imports torch; Ray workers inherit the environment.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 @pytest.fixture(scope="session")
@@ -21,23 +26,11 @@ def gemma3():
     return models.load("gemma3-270m")
 
 
-# A small real calibration of SmolLM2 (seconds, not minutes). Latency does not enter the score (beta 0): the
-# tests are about the pipeline and the profile's use, and latency is measured separately.
-def small_config(out, **kw):
-    from kvguard.calibrate import CalibrationConfig
-    from kvguard.search import Objective
-
-    settings = dict(samples=8, domains=("prose", "code"), max_tokens=64, batch_size=4, heldout_tokens=512,
-                    context=512, head_layers=1, latency_context=128,
-                    objective=Objective(beta=0.0, memory_budget=0.40, max_ppl_increase=2.0))
-    settings.update(kw)
-    return CalibrationConfig("smollm2-135m", out, **settings)
-
-
 @pytest.fixture(scope="session")
 def small_profile_dir(tmp_path_factory, smollm2):
     """The directory of a small calibrated SmolLM2 profile (shared, read-only)."""
-    from kvguard.calibrate import calibrate
+    from kvguard.calibration.pipeline import calibrate
+    from tests.helpers import small_config
 
     out = tmp_path_factory.mktemp("cal") / "profile"
     calibrate(small_config(out), progress=False)

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch

@@ -5,13 +5,15 @@ import json
 import pytest
 import torch
 
+from kvguard.config import MonitorConfig
 from kvguard.plan import LayerPlan, Plan
-from kvguard.profile import JSON_NAME, MONITOR_DEFAULTS, SCHEMA_VERSION, TENSORS_NAME, Profile, ProfileError
+from kvguard.profile import JSON_NAME, SCHEMA_VERSION, TENSORS_NAME, Profile, ProfileError, ProfileMeta
+from tests.helpers import ZERO_FINGERPRINT, profile_meta
 
 
-def _profile(fingerprint="sha256:" + "0" * 64) -> Profile:
+def _profile(fingerprint=ZERO_FINGERPRINT) -> Profile:
     plan = Plan((LayerPlan(("int4", "int8")), LayerPlan(("int2", "fp16"), key_clip=0.9)))
-    meta = {"model": {"name": "tiny", "fingerprint": fingerprint}, "plan": plan.to_dict(), "monitor": dict(MONITOR_DEFAULTS)}
+    meta = profile_meta(plan, fingerprint=fingerprint, monitor=MonitorConfig())
     tensors = {"calibrated.key.absmax": torch.rand(2, 2, 4) + 0.1, "calibrated.value.absmax": torch.rand(2, 2, 4) + 0.1}
     return Profile(meta, tensors)
 
@@ -20,10 +22,14 @@ def test_round_trip(tmp_path):
     p = _profile()
     p.save(tmp_path / "prof")
     q = Profile.load(tmp_path / "prof")
+    assert isinstance(q.meta, ProfileMeta)
+    assert q.meta == p.meta  # the typed metadata round-trips exactly
     assert q.plan == p.plan
-    assert q.meta["schema_version"] == SCHEMA_VERSION
+    raw = json.loads((tmp_path / "prof" / JSON_NAME).read_text())
+    assert raw["schema_version"] == SCHEMA_VERSION
+    assert q.tensors_sha256 == p.tensors_sha256 == raw["tensors_sha256"] and len(q.tensors_sha256) == 64
     assert torch.equal(q.static_scales().key_absmax, p.tensors["calibrated.key.absmax"])
-    assert q.monitor["window_tokens"] == 32 and q.monitor["trigger_consecutive"] == 3
+    assert q.meta.monitor.window_tokens == 32 and q.meta.monitor.trigger_consecutive == 3
     # Nothing but the profile is left behind, and saving again replaces it in place.
     p.save(tmp_path / "prof")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["prof"]

@@ -6,9 +6,9 @@ import pytest
 
 from kvguard import data
 from kvguard.config import CacheConfig
-from kvguard.models import Architecture
+from kvguard.architecture import Architecture
 from kvguard.plan import LayerPlan, Plan
-from kvguard.scoring import score_simulated, score_stream
+from kvguard.evaluation.scoring import score_simulated, score_stream
 from kvguard.simulate import quantize_switch_points
 
 pytestmark = pytest.mark.slow

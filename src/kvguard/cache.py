@@ -17,18 +17,17 @@ from transformers.cache_utils import Cache
 
 from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
 from kvguard.config import CacheConfig
-from kvguard.models import Architecture
+from kvguard.architecture import Architecture
 from kvguard.precision import Precision
 
 PrecisionLike = "Precision | str | Sequence[Precision | str]"
-_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
 class KVGuardCache(Cache):
     """Quantized KV cache with per-layer and per-KV-head precision.
 
     Args:
-        config: the model's config (``model.config``) or an :class:`~kvguard.models.Architecture`.
+        config: the model's config (``model.config``) or an :class:`~kvguard.architecture.Architecture`.
         precision: one precision for every layer (``"fp16"``, ``"int8"``, ``"int4"``, ``"int2"``), or a list
             with one entry per layer, each a precision or a list of per-KV-head precisions.
         cache_config: layout knobs (window, sinks, group size, storage dtype); see :class:`CacheConfig`.
@@ -41,16 +40,11 @@ class KVGuardCache(Cache):
         self.cache_config = cache_config or CacheConfig()
         per_layer = _per_layer(precision, arch.num_layers)
         layers: list[KVGuardLayer] = []
-        for idx, (layer_type, p) in enumerate(zip(arch.layer_types, per_layer)):
-            if layer_type in _SLIDING_TYPES:
+        for idx, p in enumerate(per_layer):
+            if arch.is_sliding(idx):
                 layers.append(KVGuardSlidingLayer(p, self.cache_config, idx, sliding_window=arch.sliding_window))
-            elif layer_type == "full_attention":
-                layers.append(KVGuardLayer(p, self.cache_config, idx))
             else:
-                raise ValueError(
-                    f"layer {idx} has type {layer_type!r}; KVGuardCache supports "
-                    f"['full_attention', {', '.join(repr(t) for t in _SLIDING_TYPES)}]"
-                )
+                layers.append(KVGuardLayer(p, self.cache_config, idx))
             if isinstance(layers[-1].precision, tuple) and len(layers[-1].precision) != arch.num_kv_heads:
                 raise ValueError(
                     f"layer {idx}: {len(layers[-1].precision)} per-head precisions given, the model has "

@@ -1,8 +1,9 @@
-"""Configuration of the quantized KV cache."""
+"""Typed configuration: the cache layout, the feedback loop's thresholds, and the objective calibration optimises."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -59,3 +60,135 @@ class CacheConfig:
         if unknown:
             raise ValueError(f"unknown CacheConfig fields {sorted(unknown)}; valid: {sorted(cls.__dataclass_fields__)}")
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Thresholds of the feedback loop (the founding design's defaults; a profile stores them, any can be
+    overridden).
+
+    Attributes:
+        window_tokens, refresh_tokens: window mean over the last 32 tokens, refreshed every 8 (one
+            *monitoring step*).
+        baseline_tokens: time constant of the sequence's own entropy level the drop is measured against
+            (:class:`~kvguard.entropy.SequenceReference`).
+        warn_drop: window-mean entropy drop that warns and triggers light compensation (recompute the alarming
+            layer's KV at the selected positions). A layer's warning or trigger acts once per episode: it
+            re-arms when the layer's window drop is back under half of ``warn_drop``.
+        trigger_drop, trigger_consecutive: that many consecutive tokens this far below baseline trigger
+            light compensation too.
+        heavy_drop, heavy_layers: a severe alarm: heavy compensation over the ``heavy_layers`` layers up to
+            the alarming one, and one step up the rollback ladder.
+        recompute_fraction: ``[base, max]`` share of a layer's quantized positions recomputed per action, and
+            the most its full-precision overlay may hold (the ladder doubles both).
+        max_trigger_rate, trigger_rate_steps: above this share of acting steps over the last
+            ``trigger_rate_steps`` steps, a "recalibration recommended" event.
+        promote_risk, promote_layer_risk, promote_steps, demote_risk, demote_steps: dynamic precision
+            hysteresis on the risk classifier's output: ``promote_steps`` steps in a row at or above
+            ``promote_risk`` (or, while some layer is there, at or above ``promote_layer_risk``) promote a
+            layer one tier for new tokens; ``demote_steps`` steps at or below ``demote_risk`` demote it
+            one tier, never below the plan; at most ``max_promotion_tiers`` tiers above the plan (promoting
+            changes only new tokens, while the risk also reflects the old ones: without a cap a layer would
+            climb to FP16 on the strength of tokens promotion cannot fix). A promotion also recomputes the
+            layer's top positions.
+        cooldown_steps: steps without a severe alarm before the ladder steps down from level 1; doubles with
+            every level.
+        layers: the monitored layers (``None``: all).
+    """
+
+    window_tokens: int = 32
+    refresh_tokens: int = 8
+    baseline_tokens: int = 64
+    warn_drop: float = 0.20
+    trigger_drop: float = 0.25
+    trigger_consecutive: int = 3
+    heavy_drop: float = 0.35
+    heavy_layers: int = 4
+    recompute_fraction: tuple[float, float] = (0.02, 0.05)
+    max_trigger_rate: float = 0.05
+    trigger_rate_steps: int = 256
+    promote_risk: float = 0.9
+    promote_layer_risk: float = 0.5
+    promote_steps: int = 2
+    demote_risk: float = 0.2
+    demote_steps: int = 32
+    max_promotion_tiers: int = 1
+    cooldown_steps: int = 4
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute_fraction", tuple(float(x) for x in self.recompute_fraction))
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        for name in ("window_tokens", "refresh_tokens", "baseline_tokens", "trigger_consecutive", "heavy_layers", "trigger_rate_steps",
+                     "promote_steps", "demote_steps", "max_promotion_tiers", "cooldown_steps"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"monitor setting {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warn_drop", "trigger_drop", "heavy_drop", "max_trigger_rate", "promote_risk", "promote_layer_risk",
+                     "demote_risk"):
+            if not 0.0 < float(getattr(self, name)) <= 1.0:
+                raise ValueError(f"monitor setting {name} must be in (0, 1], got {getattr(self, name)}")
+        lo, hi = self.recompute_fraction if len(self.recompute_fraction) == 2 else (None, None)
+        if lo is None or not 0.0 < lo <= hi <= 1.0:
+            raise ValueError(f"recompute_fraction must be [base, max] with 0 < base <= max <= 1, got {self.recompute_fraction}")
+        if self.demote_risk > self.promote_risk:
+            raise ValueError("demote_risk must not exceed promote_risk (hysteresis)")
+
+    @classmethod
+    def from_dict(cls, data: dict, **overrides) -> "MonitorConfig":
+        """From a profile's ``monitor`` block (keys this kvguard does not know are ignored, so older and newer
+        profiles load) plus ``overrides`` (unknown names are an error)."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise ValueError(f"unknown monitor settings {sorted(unknown)}; valid: {sorted(names)}")
+        merged = {k: v for k, v in data.items() if k in names}
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**merged)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["recompute_fraction"] = list(self.recompute_fraction)
+        out["layers"] = None if self.layers is None else list(self.layers)
+        return out
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The user's trade-off, ``Score = alpha * Memory + beta * Latency + gamma * PerplexityPenalty``, and hard
+    constraints. Memory is KV bytes / FP16 bytes, Latency the decode-time ratio to FP16, PerplexityPenalty the
+    perplexity increase in percent that a next-token KL predicts (:func:`penalty`)."""
+
+    alpha: float = 1.0
+    beta: float = 0.2
+    gamma: float = 5.0
+    max_ppl_increase: float | None = 1.0
+    memory_budget: float | None = 0.40
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.memory_budget is not None and not 0 < self.memory_budget <= 1.5:
+            raise ValueError(f"memory_budget is a fraction of the FP16 KV bytes in (0, 1.5], got {self.memory_budget}")
+        if self.max_ppl_increase is not None and self.max_ppl_increase < 0:
+            raise ValueError(f"max_ppl_increase is a percentage >= 0, got {self.max_ppl_increase}")
+
+    def score(self, memory: float, latency: float, kl: float) -> float:
+        return self.alpha * memory + self.beta * latency + self.gamma * penalty(kl)
+
+    def feasible(self, memory: float, ppl_increase_pct: float) -> bool:
+        return ((self.memory_budget is None or memory <= self.memory_budget + 1e-9)
+                and (self.max_ppl_increase is None or ppl_increase_pct <= self.max_ppl_increase))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Objective":
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def penalty(kl: float) -> float:
+    """PerplexityPenalty in percent: the perplexity increase a next-token KL of ``kl`` nats implies."""
+    return 100.0 * math.expm1(max(kl, 0.0))

@@ -97,7 +97,7 @@ class EntropyAccumulator:
         """Add ``other``'s sums into this one (in place; returns ``self``).
 
         Float addition is not associative, so a merge is exact only against the same merges in the same
-        order: :func:`kvguard.statistics.merge` folds one accumulator per batch, in batch order, whichever
+        order: :func:`kvguard.calibration.kv_statistics.merge` folds one accumulator per batch, in batch order, whichever
         process collected each batch."""
         if self.sum.shape != other.sum.shape:
             raise ValueError(f"cannot merge entropy sums of shape {tuple(other.sum.shape)} into {tuple(self.sum.shape)}")

@@ -24,14 +24,13 @@ from enum import Enum
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from kvguard.models import Architecture
+from kvguard.architecture import Architecture
 from kvguard.precision import Precision
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 SCALE_DTYPE = torch.float32  # what vLLM's k_scale / v_scale parameters hold
 FP_DTYPE = torch.float16  # skipped (FP16-tier) layers, as the engine stores them with --kv-cache-dtype-skip-layers
-_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
 def parse_choice(cls: type[Enum], value, name: str):
@@ -221,7 +220,7 @@ class FP8Cache(Cache):
     """A ``transformers`` cache that stores K/V the way an engine's static FP8-E4M3 cache does.
 
     Args:
-        config: the model's config (``model.config``) or an :class:`~kvguard.models.Architecture`.
+        config: the model's config (``model.config``) or an :class:`~kvguard.architecture.Architecture`.
         scales: the :class:`FP8Scales` (see :func:`fp8_scales`); skipped layers store float16.
     """
 
@@ -230,14 +229,11 @@ class FP8Cache(Cache):
         scales.check(arch)
         self.scales = scales
         layers = []
-        for idx, layer_type in enumerate(arch.layer_types):
-            if layer_type in _SLIDING_TYPES:
+        for idx in range(arch.num_layers):
+            if arch.is_sliding(idx):
                 layers.append(FP8SlidingLayer(scales.layer(idx), sliding_window=arch.sliding_window))
-            elif layer_type == "full_attention":
-                layers.append(FP8Layer(scales.layer(idx)))
             else:
-                raise ValueError(f"layer {idx} has type {layer_type!r}; FP8Cache supports "
-                                 f"['full_attention', {', '.join(repr(t) for t in _SLIDING_TYPES)}]")
+                layers.append(FP8Layer(scales.layer(idx)))
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:

@@ -12,14 +12,15 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvguard import atomic
+from kvguard.architecture import Architecture
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -150,17 +151,9 @@ def convert(name: str, *, force: bool = False) -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
+    with atomic.directory(target) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
 
 
@@ -193,46 +186,6 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What the KV cache needs to know about a model."""
-
-    model_type: str
-    num_layers: int
-    num_query_heads: int
-    num_kv_heads: int
-    head_dim: int
-    layer_types: tuple[str, ...]
-    sliding_window: int | None
-
-    @classmethod
-    def from_config(cls, config) -> "Architecture":
-        """From a transformers config (an ``Architecture`` is returned as is)."""
-        if isinstance(config, Architecture):
-            return config
-        config = getattr(config, "text_config", None) or config
-        num_layers = config.num_hidden_layers
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
-        sliding = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
-        return cls(
-            model_type=config.model_type,
-            num_layers=num_layers,
-            num_query_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            layer_types=tuple(layer_types),
-            sliding_window=sliding,
-        )
-
-    def layer_type_summary(self) -> str:
-        counts: dict[str, int] = {}
-        for t in self.layer_types:
-            counts[t] = counts.get(t, 0) + 1
-        return ", ".join(f"{n}x {t}" for t, n in counts.items())
 
 
 def describe(name: str) -> Architecture:

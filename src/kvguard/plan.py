@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvguard.config import CacheConfig
-from kvguard.models import Architecture
+from kvguard.architecture import Architecture
 from kvguard.precision import Precision
 
 
@@ -100,6 +100,14 @@ class Plan:
         layers = list(self.layers)
         layers[index] = layer
         return Plan(tuple(layers), self.cache)
+
+    def summary(self) -> str:
+        """One token per layer: its tier, or the per-head tiers joined by ``/``; ``c`` marks a key clip < 1."""
+        out = []
+        for i, lp in enumerate(self.layers):
+            tiers = lp.uniform.value if lp.uniform else "/".join(p.value for p in lp.precision)
+            out.append(f"{i}:{tiers}" + (f"c{lp.key_clip:g}" if lp.key_clip < 1 else ""))
+        return " ".join(out)
 
     def precision_counts(self) -> dict[str, int]:
         """How many KV heads (over all layers) each precision holds."""

@@ -2,14 +2,17 @@
 
 A profile is a directory:
 
-- ``profile.json`` — schema version, model name and fingerprint, kvguard and library versions, the data
-  manifest, the chosen plan (tiers and clip ratios), the run-time monitor thresholds, the objective, the
-  latency model, the sensitivity ranking, the Pareto frontier and the search log;
+- ``profile.json`` — :class:`ProfileMeta`: schema version, model name and fingerprint, kvguard and library
+  versions, the data manifest, the chosen plan (tiers and clip ratios), the run-time monitor thresholds and risk
+  classifier, the objective, the search log and its Pareto frontier, and records of the calibration run
+  (latency model, sensitivity ranking, monitor calibration, timings);
 - ``tensors.safetensors`` — calibrated scales and zero points, per-batch K/V statistics and their
   aggregates, the attention-entropy baseline and the sensitivity measurements.
 
-It is written atomically (a temporary directory renamed into place) and never pickled. Loading checks the
-schema version, a SHA-256 of the tensor file, and — given a model — its fingerprint.
+Calibration writes it (:mod:`kvguard.calibration.pipeline`); everything else only loads it. It is written
+atomically (:mod:`kvguard.atomic`) and never pickled. Loading checks the schema version, a SHA-256 of the
+tensor file, every block of ``profile.json`` (an invalid one is a :class:`ProfileError` naming the field),
+and — given a model — its fingerprint.
 """
 
 from __future__ import annotations
@@ -17,91 +20,249 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
+from kvguard import atomic
+from kvguard.config import MonitorConfig, Objective
+from kvguard.control.risk import RiskClassifier
 from kvguard.entropy import EntropyBaseline
 from kvguard.plan import Plan, StaticScales
-from kvguard.statistics import KVStatistics
 
 SCHEMA_VERSION = 1
+KIND = "kvguard-profile"
 JSON_NAME = "profile.json"
 TENSORS_NAME = "tensors.safetensors"
-
-# The run-time monitor's defaults (SPEC, part 2); calibration writes them into every profile.
-MONITOR_DEFAULTS = {
-    "window_tokens": 32,          # sliding mean over the last 32 tokens
-    "refresh_tokens": 8,          # refreshed every 8 tokens
-    "baseline_tokens": 64,        # drops are measured against the sequence's own level (time constant)
-    "warn_drop": 0.20,            # warn when the window mean falls 20 % below baseline
-    "trigger_drop": 0.25,         # recompute after 3 consecutive tokens 25 % below baseline
-    "trigger_consecutive": 3,
-    "light_drop": 0.20,           # > 20 %: light compensation, recompute the current layer's KV
-    "heavy_drop": 0.35,           # > 35 %: heavy compensation, recompute the most recent 4 layers
-    "heavy_layers": 4,
-    "recompute_fraction": [0.02, 0.05],  # the 2-5 % most sensitive positions
-    "max_trigger_rate": 0.05,     # normally < 5 %; a sharp rise means recalibrate
-}
 
 
 class ProfileError(ValueError):
     """A profile that cannot be used: missing, corrupted, from a newer kvguard, or for another model."""
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model a profile belongs to."""
+
+    name: str
+    fingerprint: str
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelInfo":
+        return cls(str(d["name"]), str(d["fingerprint"]), str(d["model_type"]), int(d["num_layers"]),
+                   int(d["num_kv_heads"]), int(d["head_dim"]), tuple(d["layer_types"]))
+
+
+@dataclass(frozen=True)
+class PlanScore:
+    """Quality of one plan on the held-out calibration streams.
+
+    Attributes:
+        kl: token-weighted mean next-token ``KL(fp16 || plan)`` over all streams.
+        ppl_increase_pct: per domain, perplexity increase over the FP16 cache in percent.
+        top1_agree: token-weighted arg-max agreement with the FP16 cache.
+    """
+
+    kl: float
+    ppl_increase_pct: dict[str, float]
+    top1_agree: float
+
+    @property
+    def worst_ppl_increase_pct(self) -> float:
+        """The largest increase over the domains: a plan has to hold in every scenario it was calibrated for."""
+        return max(self.ppl_increase_pct.values())
+
+    def to_dict(self) -> dict:
+        return {"kl": self.kl, "ppl_increase_pct": dict(self.ppl_increase_pct), "top1_agree": self.top1_agree}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PlanScore":
+        return cls(float(d["kl"]), {k: float(v) for k, v in d["ppl_increase_pct"].items()}, float(d["top1_agree"]))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan the search evaluated, as the profile's search log records it."""
+
+    name: str
+    level: int
+    plan: Plan
+    memory: float
+    latency: float
+    quality: PlanScore
+    score: float
+    feasible: bool
+
+    @property
+    def ppl_increase_pct(self) -> float:
+        return self.quality.worst_ppl_increase_pct
+
+    def to_dict(self) -> dict:
+        from kvguard.config import penalty
+
+        return {"name": self.name, "level": self.level, "memory": self.memory, "latency": self.latency,
+                "quality": self.quality.to_dict(), "ppl_increase_pct": self.ppl_increase_pct,
+                "ppl_penalty_pct": penalty(self.quality.kl), "score": self.score,
+                "feasible": self.feasible, "precision_counts": self.plan.precision_counts(), "plan": self.plan.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Candidate":
+        return cls(str(d["name"]), int(d["level"]), Plan.from_dict(d["plan"]), float(d["memory"]), float(d["latency"]),
+                   PlanScore.from_dict(d["quality"]), float(d["score"]), bool(d["feasible"]))
+
+
+@dataclass(frozen=True)
+class DomainData:
+    """What one calibration domain contributed."""
+
+    samples: int
+    tokens: int
+    documents: int
+    heldout_documents: int
+    heldout_tokens: int
+
+
+@dataclass(frozen=True)
+class DataManifest:
+    """The calibration data: always the ``calib`` split, never evaluation text."""
+
+    domains: dict[str, DomainData]
+    samples: int
+    tokens: int
+    max_tokens: int
+    split: str = "calib"
+
+    def to_dict(self) -> dict:
+        return {"domains": {k: asdict(v) for k, v in self.domains.items()}, "split": self.split,
+                "samples": self.samples, "tokens": self.tokens, "max_tokens": self.max_tokens}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataManifest":
+        domains = {str(k): DomainData(**{f.name: int(v[f.name]) for f in fields(DomainData)}) for k, v in d["domains"].items()}
+        return cls(domains, int(d["samples"]), int(d["tokens"]), int(d.get("max_tokens", 512)), str(d.get("split", "calib")))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The calibration settings that are not the data or the objective."""
+
+    seed: int
+    batch_size: int
+    heldout_tokens: int
+    context: int
+    head_layers: int
+    latency_context: int
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Settings":
+        return cls(**{f.name: int(d[f.name]) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class ProfileMeta:
+    """``profile.json``, typed. The ``record`` blocks are calibration's own records (its latency model, the
+    sensitivity summary, the monitor calibration, timings), kept as written for the report and for resuming."""
+
+    model: ModelInfo
+    plan: Plan
+    monitor: MonitorConfig
+    risk_classifier: RiskClassifier | None
+    objective: Objective
+    settings: Settings
+    data: DataManifest
+    chosen: Candidate
+    constraints_met: bool
+    search_log: tuple[Candidate, ...]
+    pareto_front: tuple[str, ...]
+    kvguard_version: str
+    libraries: dict[str, str] = field(default_factory=dict)
+    record: dict[str, dict] = field(default_factory=dict)
+
+    RECORDS = ("latency_model", "sensitivity", "monitor_calibration", "run")
+
+    def frontier(self) -> list[Candidate]:
+        """The Pareto-frontier candidates of the search log, by memory."""
+        names = set(self.pareto_front)
+        return sorted((c for c in self.search_log if c.name in names), key=lambda c: c.memory)
+
+    def plan_summary(self) -> str:
+        return self.plan.summary()
+
+    def to_json(self) -> dict:
+        out = {"kind": KIND, "kvguard_version": self.kvguard_version, "libraries": dict(self.libraries),
+               "model": dict(asdict(self.model), layer_types=list(self.model.layer_types)),
+               "data": self.data.to_dict(), "settings": asdict(self.settings), "objective": self.objective.to_dict(),
+               "plan": self.plan.to_dict(), "plan_summary": self.plan_summary(), "chosen": self.chosen.to_dict(),
+               "constraints_met": self.constraints_met, "monitor": self.monitor.to_dict(),
+               "risk_classifier": None if self.risk_classifier is None else self.risk_classifier.to_dict(),
+               "pareto_front": list(self.pareto_front), "search_log": [c.to_dict() for c in self.search_log]}
+        out.update({k: self.record[k] for k in self.RECORDS if k in self.record})
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ProfileMeta":
+        """Every block parsed and validated; :class:`ProfileError` names the first bad one."""
+        def block(name: str, parse):
+            if name not in d:
+                raise ProfileError(f"{JSON_NAME} lacks the {name!r} block")
+            try:
+                return parse(d[name])
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                raise ProfileError(f"{JSON_NAME}: invalid {name!r} block: {err}") from None
+
+        risk = d.get("risk_classifier")
+        return cls(
+            model=block("model", ModelInfo.from_dict), plan=block("plan", Plan.from_dict),
+            monitor=block("monitor", MonitorConfig.from_dict),
+            risk_classifier=None if risk is None else block("risk_classifier", RiskClassifier.from_dict),
+            objective=block("objective", Objective.from_dict), settings=block("settings", Settings.from_dict),
+            data=block("data", DataManifest.from_dict), chosen=block("chosen", Candidate.from_dict),
+            constraints_met=bool(d.get("constraints_met", True)),
+            search_log=block("search_log", lambda v: tuple(Candidate.from_dict(c) for c in v)),
+            pareto_front=block("pareto_front", lambda v: tuple(str(n) for n in v)),
+            kvguard_version=str(d.get("kvguard_version", "unknown")), libraries=dict(d.get("libraries") or {}),
+            record={k: d[k] for k in cls.RECORDS if isinstance(d.get(k), dict)})
+
+
 @dataclass
 class Profile:
     """A loaded (or freshly calibrated) profile: ``meta`` is ``profile.json``, ``tensors`` the tensor file."""
 
-    meta: dict
+    meta: ProfileMeta
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     path: Path | None = None
+    tensors_sha256: str | None = None  # of the tensor file, once written or read
 
     @property
     def model_name(self) -> str:
-        return self.meta["model"]["name"]
+        return self.meta.model.name
 
     @property
     def fingerprint(self) -> str:
-        return self.meta["model"]["fingerprint"]
+        return self.meta.model.fingerprint
 
     @property
     def plan(self) -> Plan:
-        return Plan.from_dict(self.meta["plan"])
+        return self.meta.plan
 
-    @property
-    def monitor(self) -> dict:
-        return dict(self.meta["monitor"])
+    def _tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ProfileError(f"profile {self.path or ''}: {TENSORS_NAME} lacks the tensor {name!r}") from None
 
     def static_scales(self) -> StaticScales:
         """The calibrated INT8 ranges the plan's INT8 heads use."""
-        return StaticScales(self.tensors["calibrated.key.absmax"], self.tensors["calibrated.value.absmax"])
-
-    def statistics(self) -> KVStatistics:
-        """The per-batch history (float16)."""
-        return KVStatistics.from_tensors(self.tensors)
-
-    def aggregate_statistics(self) -> dict[str, torch.Tensor]:
-        """K/V statistics over all calibration batches, ``"key.mean"`` ... -> ``[layers, KV heads, D]``."""
-        return KVStatistics.aggregate_from(self.tensors)
+        return StaticScales(self._tensor("calibrated.key.absmax"), self._tensor("calibrated.value.absmax"))
 
     def entropy_baseline(self) -> EntropyBaseline:
-        return EntropyBaseline.from_tensors(self.tensors)
-
-    def risk_classifier(self):
-        """The run-time risk classifier trained during calibration (``None`` in profiles without one)."""
-        from kvguard.risk import RiskClassifier
-
-        data = self.meta.get("risk_classifier")
-        if data is None:
-            return None
-        try:
-            return RiskClassifier.from_dict(data)
-        except ValueError as err:
-            raise ProfileError(f"profile {self.path or ''}: {err}") from None
+        return EntropyBaseline(*(self._tensor(f"entropy.{k}") for k in ("mean", "std", "count", "normalized")))
 
     def check_model(self, model) -> None:
         """Raise :class:`ProfileError` unless ``model`` is the model this profile was calibrated on."""
@@ -120,28 +281,15 @@ class Profile:
         from safetensors.torch import save_file
 
         directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
         if directory.exists() and not (directory / JSON_NAME).is_file() and any(directory.iterdir()):
             raise ProfileError(f"{directory} exists and is not a kvguard profile; refusing to overwrite it")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        try:
+        with atomic.directory(directory) as tmp:
             tensor_file = tmp / TENSORS_NAME
             save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tensor_file))
-            meta = dict(self.meta, schema_version=SCHEMA_VERSION, tensors_sha256=_sha256(tensor_file))
-            with open(tmp / JSON_NAME, "w") as f:
-                json.dump(meta, f, indent=2, sort_keys=False)
-                f.write("\n")
-            old = None
-            if directory.exists():
-                old = directory.parent / f".{directory.name}.old-{os.getpid()}"
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self.meta, self.path = meta, directory
+            digest = _sha256(tensor_file)
+            payload = dict(self.meta.to_json(), schema_version=SCHEMA_VERSION, tensors_sha256=digest)
+            (tmp / JSON_NAME).write_text(json.dumps(payload, indent=2) + "\n")
+        self.path, self.tensors_sha256 = directory, digest
         return directory
 
     @classmethod
@@ -155,10 +303,10 @@ class Profile:
         if not json_path.is_file():
             raise ProfileError(f"{directory} is not a kvguard profile (no {JSON_NAME}); create one with `kvguard calibrate`")
         try:
-            meta = json.loads(json_path.read_text())
+            raw = json.loads(json_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ProfileError(f"{json_path} is corrupted: {err}") from None
-        version = meta.get("schema_version") if isinstance(meta, dict) else None
+        version = raw.get("schema_version") if isinstance(raw, dict) else None
         if not isinstance(version, int):
             raise ProfileError(f"{json_path} has no schema_version; not a kvguard profile")
         if version > SCHEMA_VERSION:
@@ -166,20 +314,17 @@ class Profile:
                                f"({SCHEMA_VERSION}); upgrade kvguard")
         if not tensor_path.is_file():
             raise ProfileError(f"{directory} is missing {TENSORS_NAME}")
-        if _sha256(tensor_path) != meta.get("tensors_sha256"):
+        if _sha256(tensor_path) != raw.get("tensors_sha256"):
             raise ProfileError(f"{tensor_path} is corrupted (its SHA-256 does not match profile.json)")
         try:
             tensors = load_file(str(tensor_path))
         except (SafetensorError, OSError) as err:
             raise ProfileError(f"{tensor_path} cannot be read: {err}") from None
-        missing = [k for k in ("model", "plan", "monitor") if k not in meta]
-        if missing:
-            raise ProfileError(f"{json_path} lacks {missing}")
-        profile = cls(meta, tensors, directory)
         try:
-            profile.plan
-        except (KeyError, TypeError, ValueError) as err:
-            raise ProfileError(f"{json_path} has an invalid plan: {err}") from None
+            meta = ProfileMeta.from_json(raw)
+        except ProfileError as err:
+            raise ProfileError(f"{directory}: {err}") from None
+        profile = cls(meta, tensors, directory, raw["tensors_sha256"])
         if model is not None:
             profile.check_model(model)
         return profile

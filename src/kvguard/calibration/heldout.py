@@ -1,0 +1,99 @@
+"""Scoring candidate plans on held-out calibration text (never the evaluation split).
+
+Every candidate of the sensitivity analysis and the search is scored the same way: the exact parallel
+simulation of token-by-token decoding (:mod:`kvguard.simulate`) on one stream per calibration domain,
+against the FP16 cache's predictions on the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvguard.architecture import Architecture
+from kvguard.evaluation.metrics import TokenMetrics
+from kvguard.evaluation.scoring import score_simulated
+from kvguard.plan import Plan, StaticScales
+from kvguard.profile import PlanScore
+from kvguard.simulate import first_quantized_query, simulate_logits
+
+
+_SLICE = 256  # positions turned into metrics at a time (bounds memory for 262k-token vocabularies)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The FP16 cache's predictions on the held-out streams, per domain.
+
+    Attributes:
+        logprobs: ``[T - 1, vocab]`` next-token log-probabilities (float32: ``T * vocab * 4`` bytes).
+        nll: mean next-token NLL.
+        token_nll: ``[T - 1]`` NLL of each actual next token.
+    """
+
+    logprobs: dict[str, torch.Tensor]
+    nll: dict[str, float]
+    token_nll: dict[str, torch.Tensor]
+
+    @classmethod
+    def measure(cls, model, streams: dict[str, torch.Tensor]) -> "Reference":
+        fp16 = Plan.uniform(Architecture.from_config(model.config), "fp16")
+        logprobs, nll, token_nll = {}, {}, {}
+        for domain, ids in streams.items():
+            score = score_simulated(model, ids, fp16, keep_logits=True)
+            logprobs[domain] = torch.log_softmax(score.logits, dim=-1)
+            nll[domain] = score.nll
+            targets = ids[1:].to(score.logits.device)
+            token_nll[domain] = -logprobs[domain].gather(-1, targets[:, None])[:, 0]
+        return cls(logprobs, nll, token_nll)
+
+
+class HeldOut:
+    """Held-out streams with their FP16 reference, ready to score plans.
+
+    ``reference``: the :class:`Reference` of the same model on the same streams, measured elsewhere (another
+    process reuses the driver's instead of running the FP16 pass again); measured here when omitted."""
+
+    def __init__(self, model, streams: dict[str, torch.Tensor], reference: Reference | None = None) -> None:
+        if not streams:
+            raise ValueError("no held-out streams")
+        self.model = model
+        self.arch = Architecture.from_config(model.config)
+        self.streams = streams
+        self.reference = Reference.measure(model, streams) if reference is None else reference
+        if set(self.reference.logprobs) != set(streams):
+            raise ValueError(f"the reference covers {sorted(self.reference.logprobs)}, the streams {sorted(streams)}")
+        self.references = self.reference.logprobs
+        self.reference_nll = self.reference.nll
+        self.reference_token_nll = self.reference.token_nll
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(ids.numel()) for ids in self.streams.values())
+
+    def score(self, plan: Plan, scales: StaticScales | None = None) -> PlanScore:
+        """Simulate ``plan`` on every stream and compare with the FP16 reference.
+
+        Predictions before :func:`~kvguard.simulate.first_quantized_query` equal the reference exactly (no
+        quantized key is visible yet), so only the later ones go through the output head: the same numbers
+        as scoring every position, for less work (the head dominates for 262k-token vocabularies)."""
+        kl = agree = weight = 0.0
+        increase = {}
+        for domain, ids in self.streams.items():
+            n = ids.numel() - 1
+            start = min(first_quantized_query(plan), n - 1)
+            ref = self.references[domain][start:]
+            metrics = TokenMetrics()
+            logits = simulate_logits(self.model, ids[:-1], plan, scales, keep_from=start)
+            for i in range(0, logits.shape[0], _SLICE):
+                metrics.add(logits[i:i + _SLICE], ids[start + 1 + i:start + 1 + i + _SLICE].to(logits.device),
+                            ref[i:i + _SLICE])
+            tail = n - start
+            kl += metrics.kl * tail  # the first `start` predictions contribute KL 0 and agree
+            agree += metrics.top1_agree * tail + start
+            weight += n
+            nll = (float(self.reference_token_nll[domain][:start].sum()) + metrics.nll * tail) / n
+            increase[domain] = 100.0 * (math.exp(nll - self.reference_nll[domain]) - 1.0)
+        return PlanScore(kl / weight, increase, agree / weight)

@@ -1,0 +1,72 @@
+"""What ``kvguard calibrate`` is asked for: :class:`CalibrationConfig` (the command line's defaults are its own)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from kvguard import data
+from kvguard.config import Objective
+from kvguard.profile import Settings
+
+RECOMMENDED_SAMPLES = 5000
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What ``kvguard calibrate`` was asked for (the command line's defaults are these).
+
+    Attributes:
+        model: embedded model name or local model folder.
+        out: the profile directory to write.
+        samples: calibration samples, mixed evenly over ``domains``.
+        domains: calibration corpora (``prose``, ``dialog``, ``code``, ``long``).
+        max_tokens: tokens per sample.
+        batch_size: samples per statistics batch.
+        heldout_tokens: held-out calibration tokens (split over the domains) that score every candidate.
+        context: the context length memory is measured at.
+        head_layers: the most sensitive layers also measured per KV head.
+        latency_context: the context of the latency measurement.
+        seed: random seed.
+        objective: the score's weights and the constraints.
+    """
+
+    model: str
+    out: Path
+    samples: int = RECOMMENDED_SAMPLES
+    domains: tuple[str, ...] = ("prose", "dialog", "code")
+    max_tokens: int = 512
+    batch_size: int = 16
+    heldout_tokens: int = 1536
+    context: int = 2048
+    head_layers: int = 4
+    latency_context: int = 1024
+    seed: int = 0
+    objective: Objective = field(default_factory=Objective)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "domains", tuple(self.domains))
+        bad = [d for d in self.domains if d not in data.CORPORA]
+        if bad or not self.domains:
+            raise ValueError(f"domains have to be among {list(data.CORPORA)} but got {list(self.domains)}")
+        for name in ("samples", "max_tokens", "batch_size", "heldout_tokens", "context", "latency_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.max_tokens < data.MIN_SAMPLE_TOKENS:
+            raise ValueError(f"max_tokens must be at least {data.MIN_SAMPLE_TOKENS}, got {self.max_tokens}")
+        if self.heldout_tokens // len(self.domains) < 256:
+            raise ValueError(f"heldout_tokens gives each domain {self.heldout_tokens // len(self.domains)} tokens; "
+                             f"at least 256 per domain are needed to see quantized keys")
+
+    def key(self) -> str:
+        """A digest of everything that decides the result (``--resume`` refuses a different one)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "out"}
+        d["objective"] = self.objective.to_dict()
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+    def settings(self) -> Settings:
+        return Settings(self.seed, self.batch_size, self.heldout_tokens, self.context, self.head_layers,
+                        self.latency_context)

@@ -1,0 +1,118 @@
+"""``kvguard eval``: methods side by side on the same tokens (perplexity, pass-key retrieval, decode speed)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvguard.cli.common import CommandError, add_model, csv
+
+DEFAULT_METHODS = "fp16,int8,int4,int2,kivi-4,kivi-2,hf-quanto-4,hf-quanto-2,hf-hqq-4"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="quality, memory and speed through the cache, side by side with peers")
+    add_model(p)
+    p.add_argument("--profile", help="calibration profile (for the kvguard / kvguard-live / fp8 methods)")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (default: %(default)s)")
+    p.add_argument("--task", default="ppl", choices=["ppl", "passkey", "speed"], help="what to measure (default: %(default)s)")
+    p.add_argument("--corpus", default="prose", help="comma-separated eval corpora: prose, code, dialog, long (default: %(default)s)")
+    p.add_argument("--text-file", help="evaluate this UTF-8 text file instead of a corpus")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per text (default: %(default)s)")
+    p.add_argument("--windows", type=int, default=1,
+                   help="score this many consecutive --tokens windows per corpus and combine them (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=1, help="tokens per forward pass; 1 = true decoding (default: %(default)s)")
+    p.add_argument("--simulate", default="auto", choices=["auto", "on", "off"],
+                   help="score static methods by the exact parallel simulation of chunk-1 decoding (default: %(default)s)")
+    p.add_argument("--json", help="also write the results as JSON to this file")
+    p.add_argument("--lengths", default="1024,2048,4096", help="passkey: prompt lengths (default: %(default)s)")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="passkey: needle depths (default: %(default)s)")
+    p.add_argument("--trials", type=int, default=3, help="passkey: prompts per length and depth (default: %(default)s)")
+    p.add_argument("--contexts", default="1024,4096", help="speed: context lengths (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=64, help="speed: decode steps timed (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvguard.cli.common import load_profile
+    from kvguard.evaluation import methods
+
+    names = csv(args.methods)
+    if args.profile and "kvguard" not in names:
+        names.append("kvguard")
+    if args.windows < 1:
+        raise CommandError(f"--windows must be >= 1, got {args.windows}")
+    profile = load_profile(args.profile) if args.profile else None
+    for name in names:
+        methods.get(name, profile)  # unknown names and missing profiles fail before any model is loaded
+    if args.task == "speed":
+        return _speed(args, names)
+    from kvguard import models
+
+    model, tok = models.load(args.model)
+    if profile is not None:
+        profile.check_model(model)
+    if args.task == "passkey":
+        return _passkey(args, model, tok, names, profile)
+    return _perplexity(args, model, tok, names, profile)
+
+
+def _speed(args, names: list[str]) -> int:
+    from kvguard.evaluation import harness, speed
+
+    rows = speed.run(args.model, names, csv(args.contexts, int), args.new_tokens, profile_path=args.profile)
+    print(speed.markdown_table(rows))
+    if args.json:
+        harness.write_json(args.json, {"model": args.model, "task": "speed", "new_tokens": args.new_tokens, "results": rows})
+    return 0
+
+
+def _passkey(args, model, tok, names: list[str], profile) -> int:
+    from kvguard.evaluation import harness, methods, passkey
+
+    results = []
+    for name in ["fp16"] + [n for n in names if n != "fp16"]:
+        results += passkey.run(model, tok, methods.get(name, profile), csv(args.lengths, int), csv(args.depths, float),
+                               args.trials)
+    print("| method | length | depth | accuracy | trials |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r.method} | {r.length} | {r.depth} | {r.accuracy:.2f} | {r.trials} |")
+    if args.json:
+        harness.write_json(args.json, {"model": args.model, "task": "passkey",
+                                       "results": [dict(vars(r), accuracy=r.accuracy) for r in results]})
+    return 0
+
+
+def _perplexity(args, model, tok, names: list[str], profile) -> int:
+    from kvguard import data
+    from kvguard.evaluation import harness
+
+    if args.text_file:
+        streams = {os.path.basename(args.text_file): [data.load_text_file(args.text_file, tok, args.tokens)]}
+    else:
+        streams = {c: _windows(data.token_stream(c, "eval", tok, args.tokens * args.windows), args.tokens, tok)
+                   for c in csv(args.corpus)}
+    rows = []
+    for corpus, windows in streams.items():
+        per_window = [harness.evaluate_stream(model, ids, corpus, names, chunk=args.chunk, simulate=args.simulate,
+                                              profile=profile) for ids in windows]
+        rows += per_window[0] if len(per_window) == 1 else harness.combine_windows(per_window)
+    print(harness.markdown_table(rows))
+    if args.json:
+        tokens = max(w.numel() for ws in streams.values() for w in ws)
+        payload = harness.rows_payload(args.model, tokens, args.chunk, rows)
+        payload["windows"] = args.windows
+        harness.write_json(args.json, payload)
+    return 0
+
+
+def _windows(stream, tokens: int, tok) -> list:
+    """Consecutive ``tokens``-long windows of ``stream``; every window starts with BOS when the model wants
+    one (the stream has it only at its start)."""
+    from kvguard import data
+
+    windows = [stream[i:i + tokens].clone() for i in range(0, stream.numel(), tokens)]
+    if data.wants_bos(tok) and tok.bos_token_id is not None:
+        for w in windows[1:]:
+            w[0] = tok.bos_token_id
+    return windows

@@ -1,0 +1,21 @@
+"""``kvguard report``: plots and an HTML page for a calibration profile."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="plots and an HTML page for a calibration profile")
+    p.add_argument("--profile", required=True, help="profile directory (from `kvguard calibrate`)")
+    p.add_argument("--out", required=True, help="directory for the PNG plots and index.html")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvguard.calibration import report
+    from kvguard.cli.common import load_profile
+
+    page = report.write(load_profile(args.profile), args.out)
+    print(f"report written to {page}")
+    return 0

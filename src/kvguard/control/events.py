@@ -1,0 +1,100 @@
+"""What the feedback loop reports: one :class:`Event` per alarm and action, typed counters, step records.
+
+Every switch the loop makes is logged completely (for root-cause analysis): when, which sequence and token,
+why (the alarm), what (the action), the rollback level, the layers concerned with their entropy, baseline, drop
+and risk, how many positions were recomputed and how long it took.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvguard.control.policy import Action, Alarm
+
+
+@dataclass(frozen=True)
+class Event:
+    """One alarm and the action taken on it (``to_json`` is the JSON line ``--events`` files hold)."""
+
+    time: float
+    sequence: str
+    token: int
+    alarm: Alarm
+    action: Action
+    level: int
+    layers: tuple[int, ...]
+    entropy: tuple[float, ...]
+    baseline: tuple[float | None, ...]
+    drop: tuple[float, ...]
+    risk: tuple[float, ...] | None
+    positions: int = 0
+    ms: float = 0.0
+    previous_level: int | None = None
+    precision: tuple[str, ...] | None = None
+    cooldown_steps: int | None = None
+    trigger_rate: float | None = None
+    steps: int | None = None
+
+    def to_json(self) -> dict:
+        """Plain JSON values; optional fields that do not apply to this action are left out."""
+        out = {k: v for k, v in asdict(self).items() if v is not None or k == "risk"}
+        out["alarm"], out["action"] = self.alarm.value, self.action.value
+        for name in ("layers", "entropy", "baseline", "drop", "risk", "precision"):
+            if out.get(name) is not None:
+                out[name] = list(out[name])
+        out["ms"] = round(self.ms, 3)
+        return out
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One monitoring step as a server's metrics see it."""
+
+    step: int
+    token: int
+    drop: tuple[float, ...]
+    monitored: tuple[bool, ...]
+    acted: bool
+    recomputed: int  # (layer, position) pairs recomputed in this step
+
+
+@dataclass
+class Counters:
+    """Running totals of one session."""
+
+    steps: int = 0
+    acted_steps: int = 0
+    warnings: int = 0
+    triggers: int = 0
+    severe: int = 0
+    recomputed_positions: int = 0  # (layer, position) pairs written at full precision
+    recompute_ms: float = 0.0
+    max_level: int = 0
+    recalibration_recommended: bool = False
+    actions: dict[Action, int] = field(default_factory=dict)
+
+    def count(self, action: Action) -> None:
+        self.actions[action] = self.actions.get(action, 0) + 1
+
+    def of(self, *actions: Action) -> int:
+        return sum(self.actions.get(a, 0) for a in actions)
+
+    @property
+    def light(self) -> int:
+        return self.of(Action.LIGHT)
+
+    @property
+    def heavy(self) -> int:
+        return self.of(Action.HEAVY)
+
+    @property
+    def rollbacks(self) -> int:
+        """Moves up the ladder."""
+        return self.of(Action.ROLLBACK_INT8, Action.ROLLBACK_WIDEN, Action.ROLLBACK_FULL)
+
+    @property
+    def full_rollbacks(self) -> int:
+        return self.of(Action.ROLLBACK_FULL)
+
+    def actions_json(self) -> dict[str, int]:
+        return {a.value: n for a, n in self.actions.items()}

@@ -1,0 +1,285 @@
+"""The real-time feedback loop: decode through a calibrated cache, watch, compensate, roll back, log.
+
+    session = LiveSession.from_profile(model, profile)
+    out = session.generate(prompt_ids, 64, sampler=Sampler(temperature=0.7, seed=1))
+    session.summary()                                # memory saved, alarms, recomputations, level reached
+
+This is the mechanism; the rules live in :mod:`kvguard.control.policy`. While the session decodes, the monitor
+(:mod:`kvguard.control.monitor`) records each monitored layer's attention entropy and the quantization error
+it read. Every ``refresh_tokens`` tokens (one *monitoring step*) the session hands the window's evidence to
+:func:`~kvguard.control.policy.decide` and carries out its decisions in order:
+
+- compensation (light / heavy): recompute full-precision K/V at the selected positions of the chosen layers
+  (:mod:`kvguard.control.recompute`) and write them into the cache's overlay;
+- a full rollback: recompute the whole context at full precision into a fresh FP16 cache;
+- precision changes and ladder moves: new tokens are stored at the tiers the policy's state says.
+
+Every decision becomes one :class:`~kvguard.control.events.Event` (kept in ``events``, appended to a
+JSON-lines file when given, passed to ``on_event``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvguard.architecture import Architecture
+from kvguard.config import MonitorConfig
+from kvguard.control import decoding
+from kvguard.control.events import Counters, Event, StepRecord
+from kvguard.control.monitor import TokenMonitor, live_attention
+from kvguard.control.policy import Action, Decision, PolicyState, Window, decide
+from kvguard.control.recompute import recompute, select_positions
+from kvguard.control.risk import RiskClassifier
+from kvguard.control.sampling import GREEDY, Sampler
+from kvguard.entropy import EntropyBaseline
+from kvguard.plan import Plan, StaticScales
+from kvguard.precision import Precision
+
+
+class LiveSession:
+    """One sequence decoding through a quantized cache under the feedback loop.
+
+    Args:
+        model: the causal LM (its attention runs through the monitor during calls).
+        plan: the static plan new tokens start from (a profile's, or any other).
+        baseline: the calibrated FP16 attention-entropy baseline.
+        scales: calibrated INT8 ranges (also used to count values outside the calibrated range).
+        classifier: the risk classifier (``None``: no dynamic precision).
+        config: thresholds (:class:`~kvguard.config.MonitorConfig`).
+        sequence_id: names this sequence in events.
+        events_path: also append every event as one JSON line to this file.
+        on_event: also call this with every event.
+        on_step: called after every monitoring step with its :class:`~kvguard.control.events.StepRecord`.
+        monitor: ``False`` decodes through the same cache with the loop off (for overhead measurements).
+    """
+
+    def __init__(self, model, plan: Plan, baseline: EntropyBaseline, *, scales: StaticScales | None = None,
+                 classifier: RiskClassifier | None = None, config: MonitorConfig | None = None,
+                 sequence_id: str = "0", events_path: str | Path | None = None,
+                 on_event: Callable[[Event], None] | None = None,
+                 on_step: Callable[[StepRecord], None] | None = None, monitor: bool = True) -> None:
+        self.model = model
+        self.arch = Architecture.from_config(model.config)
+        plan.check(self.arch)
+        self.plan = plan
+        self.scales = scales
+        self.classifier = classifier
+        self.config = config or MonitorConfig()
+        self.sequence_id = sequence_id
+        self.events: list[Event] = []
+        self.events_path = Path(events_path) if events_path else None
+        self.on_event = on_event
+        self.on_step = on_step
+        self.enabled = monitor
+        self.monitor = TokenMonitor(baseline, self.config, self.arch.num_layers,
+                                    sliding_window=self.arch.sliding_window, sliding_layers=self.arch.sliding_layers)
+        self.cache = self._new_cache()
+        self.ids: list[int] = []
+        self.state = PolicyState.initial([lp.precision for lp in plan.layers])
+        self.counters = Counters()
+        self.start_step = plan.cache.sinks + plan.cache.residual + plan.cache.group_size
+        self.rolled_back_at: int | None = None
+        self._since_step = 0
+
+    @classmethod
+    def from_profile(cls, model, profile, plan: Plan | None = None, *, monitor_overrides: dict | None = None,
+                     **kwargs) -> "LiveSession":
+        """A session with the profile's baseline, scales, classifier and thresholds (``plan`` overrides the
+        profile's plan; ``monitor_overrides`` adjusts thresholds)."""
+        config = MonitorConfig.from_dict(profile.meta.monitor.to_dict(), **(monitor_overrides or {}))
+        return cls(model, plan or profile.plan, profile.entropy_baseline(), scales=profile.static_scales(),
+                   classifier=profile.meta.risk_classifier, config=config, **kwargs)
+
+    # ---------------------------------------------------------------- cache
+    def _new_cache(self):
+        cache = self.plan.make_cache(self.model.config, self.scales)
+        for layer in cache.layers:
+            layer.track_error = self.enabled
+        return cache
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def level(self) -> int:
+        return self.state.level
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits
+        with live_attention(self.model, self.monitor, self.cache):
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits
+
+    # ---------------------------------------------------------------- decoding
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Feed a prompt ``[T]`` in one pass (not monitored: it attends to its own full-precision K/V); returns
+        the last position's next-token logits ``[vocab]``."""
+        ids = torch.as_tensor(ids).reshape(1, -1).to(self.model.device)
+        if ids.shape[1] == 0:
+            raise ValueError("empty prompt")
+        logits = self._forward(ids)[0, -1].float()
+        self.ids.extend(ids[0].tolist())
+        return logits
+
+    @torch.no_grad()
+    def step(self, token: int) -> torch.Tensor:
+        """Feed one token; returns its next-token logits ``[vocab]`` (and runs a monitoring step every
+        ``refresh_tokens`` tokens)."""
+        ids = torch.tensor([[int(token)]], device=self.model.device)
+        logits = self._forward(ids)[0, -1].float()
+        self.ids.append(int(token))
+        if self.enabled:
+            self.monitor.end_token()
+            self._since_step += 1
+            if self._since_step >= self.config.refresh_tokens and self.length >= self.start_step:
+                self._since_step = 0
+                self._monitoring_step()
+        return logits
+
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, *, sampler: Sampler = GREEDY,
+                 eos_token_id: int | None = None, on_token: Callable[[int], bool | None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> decoding.Generation:
+        """Decode up to ``max_new_tokens`` tokens after ``prompt_ids`` under the loop (see
+        :func:`kvguard.control.decoding.generate`)."""
+        return decoding.generate(self, prompt_ids, max_new_tokens, sampler=sampler, eos_token_id=eos_token_id,
+                                 on_token=on_token, should_stop=should_stop)
+
+    # ---------------------------------------------------------------- the monitoring step
+    def _window(self) -> tuple[Window, torch.Tensor, torch.Tensor]:
+        """The policy's evidence, plus the window's drop and entropy tensors for the events."""
+        drop, _, entropy = self.monitor.window()
+        monitored = self.monitor.monitored
+        drop = torch.where(monitored, drop, torch.zeros(()))
+        risk = None
+        if self.classifier is not None:
+            risk = torch.where(monitored, self.classifier.predict(self.monitor.features()), torch.zeros(()))
+        window = Window(tuple(drop.tolist()), tuple(int(c) for c in self.monitor.consecutive.tolist()),
+                        tuple(bool(m) for m in monitored.tolist()), None if risk is None else tuple(risk.tolist()),
+                        bool(self.monitor.nonfinite))
+        return window, drop, entropy
+
+    def _monitoring_step(self) -> None:
+        window, drop, entropy = self._window()
+        step = decide(self.config, self.state, window)
+        self.state = step.state
+        if window.nonfinite:
+            self.monitor.nonfinite.zero_()
+        c = self.counters
+        c.steps += 1
+        c.warnings += step.warning
+        c.triggers += step.trigger
+        c.severe += step.severe
+        c.acted_steps += step.acted
+        recomputed = c.recomputed_positions
+        for decision in step.decisions:
+            self._carry_out(decision, window, entropy)
+        self._apply_precisions()
+        if self.on_step is not None:
+            self.on_step(StepRecord(c.steps, self.length - 1, window.drop, window.monitored, step.acted,
+                                    c.recomputed_positions - recomputed))
+
+    def _carry_out(self, decision: Decision, window: Window, entropy: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        positions = 0
+        c = self.counters
+        if decision.action.recomputes:
+            selected = select_positions(self.cache, self.monitor, decision.layers, self.length, decision.fraction,
+                                        decision.cap)
+            if selected.numel():
+                c.recomputed_positions += recompute(self.model, self.cache, self.ids, decision.layers, selected,
+                                                    self.arch.sliding_window)
+            positions = int(selected.numel())
+        elif decision.action is Action.ROLLBACK_FULL:
+            self.rollback_full()
+        c.max_level = max(c.max_level, decision.level)
+        c.recalibration_recommended |= decision.action is Action.RECOMMEND_RECALIBRATION
+        ms = 1000 * (time.perf_counter() - t0)
+        if decision.action.recomputes:
+            c.recompute_ms += ms
+        self._event(decision, window, entropy, positions, ms)
+
+    @torch.no_grad()
+    def rollback_full(self) -> None:
+        """Quantization off: recompute the whole context at full precision into a fresh cache; new tokens are
+        stored FP16 from now on."""
+        cache = self._new_cache()
+        for l in range(self.arch.num_layers):
+            cache.set_precision(l, Precision.FP16)
+        self.cache = cache
+        ids = torch.tensor(self.ids, device=self.model.device).view(1, -1)
+        self._forward(ids)
+        self.rolled_back_at = self.length
+
+    def _apply_precisions(self) -> None:
+        for l in range(self.arch.num_layers):
+            want = self.state.effective(l)
+            if tuple(self.cache.layers[l].head_precisions) != want:
+                self.cache.set_precision(l, want[0] if len(set(want)) == 1 else list(want))
+
+    # ---------------------------------------------------------------- log and summary
+    def _event(self, decision: Decision, window: Window, entropy: torch.Tensor, positions: int, ms: float) -> None:
+        layers = decision.layers
+        drop = [window.drop[l] for l in layers]
+        baseline = [float(entropy[l]) / max(1e-6, 1 - d) if d < 1 else None for l, d in zip(layers, drop)]
+        event = Event(
+            time=time.time(), sequence=self.sequence_id, token=self.length - 1, alarm=decision.alarm,
+            action=decision.action, level=decision.level, layers=layers,
+            entropy=tuple(round(float(entropy[l]), 5) for l in layers),
+            baseline=tuple(None if b is None else round(b, 5) for b in baseline),
+            drop=tuple(round(d, 5) for d in drop),
+            risk=None if window.risk is None else tuple(round(window.risk[l], 5) for l in layers),
+            positions=positions, ms=ms, previous_level=decision.previous_level,
+            precision=None if decision.precision is None else tuple(p.value for p in decision.precision),
+            cooldown_steps=decision.cooldown_steps, trigger_rate=decision.trigger_rate, steps=decision.steps)
+        self.counters.count(decision.action)
+        self.events.append(event)
+        if self.events_path is not None:
+            with open(self.events_path, "a") as f:
+                f.write(json.dumps(event.to_json()) + "\n")
+        if self.on_event is not None:
+            self.on_event(event)
+
+    @property
+    def trigger_rate(self) -> float:
+        """Monitoring steps that acted / monitoring steps (0 before the first step)."""
+        c = self.counters
+        return c.acted_steps / c.steps if c.steps else 0.0
+
+    def recompute_fraction(self) -> float:
+        """(layer, position) pairs now held at full precision because the loop recomputed them, over all
+        (layer, position) pairs seen; a full rollback counts every pair it recomputed."""
+        total = self.length * self.arch.num_layers
+        if not total:
+            return 0.0
+        if self.rolled_back_at is not None:
+            return min(1.0, self.rolled_back_at * self.arch.num_layers / total)
+        held = sum(int(layer.overlay_positions().numel()) for layer in self.cache.layers)
+        return held / total
+
+    def summary(self) -> dict:
+        c = self.counters
+        stored, fp16 = self.cache.nbytes(), self.cache.fp16_nbytes()
+        return {
+            "tokens": self.length,
+            "kv_bytes": stored,
+            "kv_bytes_fp16": fp16,
+            "memory_saved": 1 - stored / fp16 if fp16 else 0.0,
+            "monitoring_steps": c.steps,
+            "trigger_rate": self.trigger_rate,
+            "alarms": {"warning": c.warnings, "trigger": c.triggers, "severe": c.severe},
+            "actions": c.actions_json(),
+            "recomputed_positions": c.recomputed_positions,
+            "recompute_fraction": self.recompute_fraction(),
+            "recompute_ms": round(c.recompute_ms, 3),
+            "level": self.level,
+            "max_level": c.max_level,
+            "recalibration_recommended": c.recalibration_recommended,
+            "precisions": [[p.value for p in self.cache.layers[l].head_precisions] for l in range(self.arch.num_layers)],
+        }

@@ -1,0 +1,186 @@
+"""The evaluation harness behind ``kvguard eval``: methods side by side on the same tokens, in one run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvguard import atomic
+from kvguard.architecture import Architecture
+from kvguard.evaluation import methods as methods_mod
+from kvguard.evaluation.peers import PeerUnsupported
+from kvguard.evaluation.scoring import StreamScore, score_live, score_simulated, score_stream
+
+
+@dataclass
+class Row:
+    """One method on one text. Ratios and deltas are against ``fp16`` in the same run."""
+
+    method: str
+    corpus: str
+    mode: str  # "simulated" (parallel passes, exact chunk-1 semantics), "streamed", or "live" (feedback loop)
+    kv_bytes: int | None = None
+    kv_bytes_ratio: float | None = None
+    ppl: float | None = None
+    ppl_delta_pct: float | None = None
+    kl: float | None = None
+    top1_agree: float | None = None
+    tok_s: float | None = None
+    trigger_rate: float | None = None
+    recompute_fraction: float | None = None
+    error: str | None = None
+
+
+def _log(message: str) -> None:
+    print(f"[kvguard eval] {message}", file=sys.stderr, flush=True)
+
+
+# Tokens per forward pass when a chunk-invariant cache (the ``fp8`` methods) scores chunk-1 decoding: any chunking
+# is exact for it, and this bounds the logits held at once ([chunk, vocab], 262k wide for Gemma 3).
+ONE_PASS_CHUNK = 256
+
+
+def _use_simulation(method: methods_mod.Method, chunk: int, simulate: str) -> bool:
+    return simulate != "off" and chunk == 1 and (method.simulatable or method.chunk_invariant)
+
+
+def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[str], *, chunk: int = 1,
+                    simulate: str = "auto", progress: bool = True, profile=None) -> list[Row]:
+    """Score every method on ``ids`` (``[T]``); the first row is ``fp16``, the reference for the others.
+    ``profile``: the calibration profile behind the ``kvguard`` method."""
+    if simulate not in ("auto", "on", "off"):
+        raise ValueError(f"simulate has to be one of ['auto', 'on', 'off'] but got {simulate!r}")
+    names = ["fp16"] + [n for n in method_names if n != "fp16"]
+    resolved = [methods_mod.get(n, profile) for n in names]  # unknown names fail before any work
+    if simulate == "on":
+        bad = [m.name for m in resolved if not (m.simulatable or m.chunk_invariant)]
+        if bad or chunk != 1:
+            raise ValueError(f"--simulate on needs chunk 1 and static methods; not simulatable: {bad}")
+    if chunk != 1:
+        live = [m.name for m in resolved if m.live]
+        if live:
+            raise ValueError(f"{live[0]} decodes token by token: use chunk 1")
+    rows: list[Row] = []
+    reference = None
+    for method in resolved:
+        simulated = _use_simulation(method, chunk, simulate)
+        if progress:
+            how = "simulated" if simulated else ("live, chunk 1" if method.live else f"streamed, chunk {chunk}")
+            _log(f"{corpus}: {method.name} ({how}, {ids.numel()} tokens)")
+        row = Row(method.name, corpus, "simulated" if simulated else ("live" if method.live else "streamed"))
+        try:
+            score, stored, fp16 = _score(model, ids, method, simulated, chunk, reference, corpus, row, progress)
+        except PeerUnsupported as err:  # a peer refusing a model is a result, not a crash
+            row.error = str(err)
+            rows.append(row)
+            continue
+        if reference is None:
+            reference = torch.log_softmax(score.logits, dim=-1)
+            score = StreamScore(score.nll, score.tokens, 0.0, 1.0, score.seconds)
+        _fill(row, score, stored, fp16)
+        rows.append(row)
+    return _with_deltas(rows)
+
+
+def _score(model, ids, method, simulated: bool, chunk: int, reference, corpus: str, row: Row,
+           progress: bool) -> tuple[StreamScore, int, int]:
+    """``(score, stored bytes, FP16 bytes)`` of one method; the loop's rates go into ``row``."""
+    keep = reference is None
+    if method.live:
+        session = method.session(model, sequence_id=f"{corpus}-{method.name}")
+        score = score_live(session, ids, reference=reference, keep_logits=keep, progress=progress, desc=method.name)
+        row.trigger_rate = session.trigger_rate
+        row.recompute_fraction = session.recompute_fraction()
+        return score, session.cache.nbytes(), session.cache.fp16_nbytes()
+    if simulated and not method.chunk_invariant:
+        plan = method.plan(Architecture.from_config(model.config))
+        score = score_simulated(model, ids, plan, reference=reference, keep_logits=keep, scales=method.scales)
+        return score, *methods_mod.static_kv_bytes(plan, model.config, ids.numel() - 1, method.scales)
+    cache = method.make_cache(model)
+    score = score_stream(model, ids, cache, chunk=ONE_PASS_CHUNK if simulated else chunk, reference=reference,
+                         keep_logits=keep, progress=progress, desc=method.name)
+    return score, *methods_mod.kv_bytes(cache)
+
+
+def _with_deltas(rows: list[Row]) -> list[Row]:
+    """Set ``ppl_delta_pct`` of every row against the first (``fp16``) row."""
+    ref_ppl = rows[0].ppl
+    for row in rows:
+        if row.ppl is not None:
+            row.ppl_delta_pct = 100.0 * (row.ppl / ref_ppl - 1.0)
+    return rows
+
+
+def combine_windows(windows: list[list[Row]]) -> list[Row]:
+    """Rows of several equal-length windows of one corpus (each from :func:`evaluate_stream`) as one row per
+    method: perplexity from the mean NLL, KL / top-1 / bytes / speed averaged, deltas against the combined
+    ``fp16`` row. More text makes the small perplexity differences between good methods measurable."""
+    if not windows:
+        raise ValueError("no windows to combine")
+    combined = []
+    for rows in zip(*windows):
+        first = rows[0]
+        if any(r.method != first.method for r in rows):
+            raise ValueError("windows must list the same methods in the same order")
+        row = Row(first.method, first.corpus, first.mode, error=first.error)
+        if first.error is None:
+            n = len(rows)
+            row.kv_bytes = round(sum(r.kv_bytes for r in rows) / n)
+            row.kv_bytes_ratio = sum(r.kv_bytes_ratio for r in rows) / n
+            row.ppl = math.exp(sum(math.log(r.ppl) for r in rows) / n)
+            row.kl = sum(r.kl for r in rows) / n
+            row.top1_agree = sum(r.top1_agree for r in rows) / n
+            row.tok_s = sum(r.tok_s for r in rows) / n if all(r.tok_s for r in rows) else None
+            for name in ("trigger_rate", "recompute_fraction"):
+                values = [getattr(r, name) for r in rows]
+                if all(v is not None for v in values):
+                    setattr(row, name, sum(values) / n)
+        combined.append(row)
+    return _with_deltas(combined)
+
+
+def _fill(row: Row, score: StreamScore, stored: int, fp16: int) -> None:
+    row.kv_bytes = stored
+    row.kv_bytes_ratio = stored / fp16 if fp16 else None
+    row.ppl = score.perplexity
+    row.kl = score.kl
+    row.top1_agree = score.top1_agree
+    row.tok_s = (score.tokens - 1) / score.seconds if score.seconds else None
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The rows as a markdown table (what ``kvguard eval`` prints)."""
+    head = "| corpus | method | mode | kv_bytes_ratio | ppl | ppl_delta_pct | kl | top1_agree | tok_s | trigger_rate | recompute_fraction |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    notes: list[str] = []
+    for r in rows:
+        if r.error:
+            if r.error not in notes:
+                notes.append(r.error)
+            lines.append(f"| {r.corpus} | {r.method} | {r.mode} | unsupported [{notes.index(r.error) + 1}] | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r.corpus} | {r.method} | {r.mode} | {_fmt(r.kv_bytes_ratio, '.3f')} | {_fmt(r.ppl, '.3f')} | "
+            f"{_fmt(r.ppl_delta_pct, '+.2f')} | {_fmt(r.kl, '.5f')} | {_fmt(r.top1_agree, '.4f')} | "
+            f"{_fmt(r.tok_s, '.1f')} | {_fmt(r.trigger_rate, '.4f')} | {_fmt(r.recompute_fraction, '.4f')} |"
+        )
+    lines += [""] * bool(notes) + [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> None:
+    """Write ``payload`` as JSON atomically (a temporary file renamed into place)."""
+    atomic.write_text(path, json.dumps(payload, indent=2) + "\n")
+
+
+def rows_payload(model_name: str, tokens: int, chunk: int, rows: list[Row]) -> dict:
+    return {"model": model_name, "tokens": tokens, "chunk": chunk, "results": [asdict(r) for r in rows]}

@@ -1,0 +1,214 @@
+"""The KV-cache methods ``kvguard eval`` compares, by name.
+
+- ``fp16``: the reference, an unquantized KVGuardCache storing float16.
+- ``int8`` / ``int4``: kvguard's quantizers on every layer, no calibration, default layout
+  (:class:`~kvguard.config.CacheConfig`: 4 sinks, FP window 64, group 32).
+- ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
+  group 32, FP window 128, no sinks.
+- ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
+  :mod:`kvguard.evaluation.peers`).
+- ``kvguard``: the plan a calibration profile chose (``kvguard calibrate``), INT8 heads with its calibrated
+  scales; needs ``--profile``.
+- ``kvguard@<bytes>``: the profile's Pareto-frontier plan storing at most ``<bytes>`` of FP16 (e.g.
+  ``kvguard@0.25``), a more aggressive calibrated plan.
+- ``fp8`` / ``fp8:head`` / ``fp8:sglang``: the FP8-E4M3 cache a serving engine keeps with the scales
+  ``kvguard export`` writes from the profile (:mod:`kvguard.fp8`): vLLM per tensor (the plan's FP16 layers
+  skipped), vLLM per KV head, SGLang (one scale per layer for K and V, no layer skipped). Needs ``--profile``.
+- ``kvguard-live``: that plan decoded under the run-time feedback loop (:mod:`kvguard.control.session`);
+  ``kvguard-live:<static method>`` runs the loop over another plan (e.g. ``kvguard-live:int2``) with the
+  profile's baseline, classifier and thresholds. Needs ``--profile``; always streamed token by token.
+
+Static methods (a :class:`~kvguard.plan.Plan`) can be scored by the fast simulation, the ``fp8`` methods by one
+pass over the stream (their cache is chunk-invariant); peers always stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kvguard.config import CacheConfig
+from kvguard.fp8 import FP8Scales, Granularity, fp8_scales
+from kvguard.architecture import Architecture
+from kvguard.plan import Plan, StaticScales
+
+KIVI = CacheConfig(residual=128, sinks=0, group_size=32)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A way to store the KV cache.
+
+    Attributes:
+        name: what ``--methods`` takes.
+        description: one line for listings and docs.
+        plan: for kvguard's own static methods, the plan for a given architecture; ``None`` for peers.
+        peer: the :mod:`kvguard.evaluation.peers` name for transformers' caches.
+        scales: calibrated INT8 ranges the plan's INT8 heads use (profile methods).
+        fp8: the static FP8 scales of the ``fp8`` methods (an engine's FP8 cache, :mod:`kvguard.fp8`).
+    """
+
+    name: str
+    description: str
+    plan: Callable[[Architecture], Plan] | None = None
+    peer: str | None = None
+    scales: StaticScales | None = None
+    profile: object = None  # the calibration profile of live methods
+    live: bool = False
+    fp8: FP8Scales | None = None
+
+    @property
+    def simulatable(self) -> bool:
+        return self.plan is not None and not self.live
+
+    @property
+    def chunk_invariant(self) -> bool:
+        """The cache gives attention the same inputs however the stream is chunked (static scales, every token
+        quantized once, new tokens included), so a few long chunks score chunk-1 decoding exactly."""
+        return self.fp8 is not None
+
+    def session(self, model, **kwargs):
+        """A fresh :class:`~kvguard.control.session.LiveSession` for one sequence (live methods only)."""
+        from kvguard.control.session import LiveSession
+
+        if not self.live:
+            raise ValueError(f"method {self.name!r} does not run the feedback loop")
+        plan = self.plan(Architecture.from_config(model.config))
+        return LiveSession.from_profile(model, self.profile, plan=plan, **kwargs)
+
+    def make_cache(self, model):
+        """A fresh cache for one sequence of ``model``."""
+        if self.live:
+            raise ValueError(f"method {self.name!r} decodes through a LiveSession (Method.session), not a bare cache")
+        if self.plan is not None:
+            return self.plan(Architecture.from_config(model.config)).make_cache(model.config, self.scales)
+        if self.fp8 is not None:
+            return self.fp8.make_cache(model.config)
+        from kvguard.evaluation import peers
+
+        return peers.make_cache(self.peer, model)
+
+
+def _uniform(precision: str, cache: CacheConfig | None = None) -> Callable[[Architecture], Plan]:
+    return lambda arch: Plan.uniform(arch, precision, cache)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("fp16", "reference: unquantized cache, float16 storage", _uniform("fp16")),
+        Method("int8", "kvguard INT8 on every layer (symmetric, dynamic scales), 4 sinks, FP window 64, group 32",
+               _uniform("int8")),
+        Method("int4", "kvguard INT4 on every layer (asymmetric), 4 sinks, FP window 64, group 32", _uniform("int4")),
+        Method("int2", "kvguard INT2 on every layer (asymmetric), 4 sinks, FP window 64, group 32", _uniform("int2")),
+        Method("kivi-4", "KIVI recipe, 4 bits: keys per channel, values per token, group 32, FP window 128",
+               _uniform("int4", KIVI)),
+        Method("kivi-2", "KIVI recipe, 2 bits: keys per channel, values per token, group 32, FP window 128",
+               _uniform("int2", KIVI)),
+        Method("hf-quanto-4", "transformers QuantizedCache, quanto backend, 4 bits", peer="hf-quanto-4"),
+        Method("hf-quanto-2", "transformers QuantizedCache, quanto backend, 2 bits", peer="hf-quanto-2"),
+        Method("hf-hqq-4", "transformers QuantizedCache, HQQ backend, 4 bits", peer="hf-hqq-4"),
+    )
+}
+# Methods that need a calibration profile (``--profile``).
+PROFILE_METHODS = ("kvguard", "kvguard-live", "fp8", "fp8:head", "fp8:sglang")
+LIVE = "kvguard-live"
+# The engine FP8 caches: name -> (fp8_scales arguments, description).
+FP8_METHODS: dict[str, tuple[dict, str]] = {
+    "fp8": (dict(granularity=Granularity.TENSOR),
+            "vLLM FP8-E4M3 cache, exported per-tensor scales, the plan's FP16 layers skipped"),
+    "fp8:head": (dict(granularity=Granularity.HEAD),
+                 "vLLM FP8-E4M3 cache, exported per-KV-head scales, the plan's FP16 layers skipped"),
+    "fp8:sglang": (dict(granularity=Granularity.TENSOR, shared_kv=True, skip_fp16=False),
+                   "SGLang FP8-E4M3 cache, one exported scale per layer for K and V, no layer skipped"),
+}
+
+
+def from_profile(profile) -> Method:
+    """The ``kvguard`` method: the static plan of a :class:`~kvguard.profile.Profile`."""
+    plan = profile.plan
+    counts = ", ".join(f"{n} {p}" for p, n in sorted(plan.precision_counts().items()))
+    return Method("kvguard", f"calibrated plan for {profile.model_name} ({counts} KV heads)", lambda arch: plan,
+                  scales=profile.static_scales())
+
+
+def frontier_method(name: str, profile) -> Method:
+    """``kvguard@<bytes>``: the profile's Pareto-frontier plan with the lowest held-out KL among those storing
+    at most ``<bytes>`` of FP16 (a more aggressive calibrated plan than the chosen one)."""
+    try:
+        budget = float(name.split("@", 1)[1])
+    except ValueError:
+        raise ValueError(f"{name!r}: expected kvguard@<bytes ratio>, e.g. kvguard@0.25") from None
+    front = profile.meta.frontier()
+    points = [c for c in front if c.memory <= budget]
+    if not points:
+        raise ValueError(f"{name!r}: the profile's Pareto frontier has no plan at or below {budget} of FP16 "
+                         f"(its points store {[round(c.memory, 3) for c in front]})")
+    point = min(points, key=lambda c: c.quality.kl)
+    plan = point.plan
+    return Method(name, f"calibrated frontier plan {point.name} ({point.memory:.3f} of FP16 on held-out text)",
+                  lambda arch: plan, scales=profile.static_scales())
+
+
+def fp8_method(name: str, profile) -> Method:
+    """``fp8``, ``fp8:head`` or ``fp8:sglang``: an engine's FP8 cache with the scales ``kvguard export`` writes."""
+    kwargs, description = FP8_METHODS[name]
+    return Method(name, f"{description} ({profile.model_name} profile)", fp8=fp8_scales(profile, **kwargs))
+
+
+def get(name: str, profile=None) -> Method:
+    """The method called ``name`` (profile methods from ``profile``); ``ValueError`` listing the valid names
+    otherwise."""
+    if name in FP8_METHODS:
+        if profile is None:
+            raise ValueError(f"method {name!r} needs a calibration profile: pass --profile (its scales are what "
+                             f"`kvguard export` writes)")
+        return fp8_method(name, profile)
+    if name == "kvguard" or name.startswith("kvguard@") or name == LIVE or name.startswith(LIVE + ":"):
+        if profile is None:
+            raise ValueError(f"method {name!r} needs a calibration profile: pass --profile (see `kvguard calibrate`)")
+        if name == "kvguard":
+            return from_profile(profile)
+        if name.startswith("kvguard@"):
+            return frontier_method(name, profile)
+        return live_method(name, profile)
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard, kvguard@<bytes>, "
+                         f"kvguard-live, kvguard-live:<static method>, {', '.join(FP8_METHODS)}]") from None
+
+
+def live_method(name: str, profile) -> Method:
+    """``kvguard-live`` (the profile's plan) or ``kvguard-live:<base>`` (a static method's plan) under the
+    feedback loop."""
+    base_name = name.split(":", 1)[1] if ":" in name else "kvguard"
+    if base_name.startswith(LIVE):
+        raise ValueError(f"{name!r}: the loop runs over a static method, not over another live one")
+    base = get(base_name, profile)
+    if not base.simulatable:
+        raise ValueError(f"{name!r}: the loop runs over a kvguard plan; {base_name!r} is not one ({base.description})")
+    return Method(name, f"feedback loop over {base_name} (entropy monitor, selective recomputation, dynamic "
+                        f"precision, rollback)", base.plan, scales=profile.static_scales(), profile=profile, live=True)
+
+
+def kv_bytes(cache) -> tuple[int, int]:
+    """``(stored bytes, FP16 bytes of the same shape)`` of any cache the methods make."""
+    if hasattr(cache, "fp16_nbytes"):
+        return cache.nbytes(), cache.fp16_nbytes()
+    from kvguard.evaluation import peers
+
+    return peers.cache_nbytes(cache), peers.fp16_nbytes(cache)
+
+
+def static_kv_bytes(plan: Plan, model_config, tokens: int, scales: StaticScales | None = None) -> tuple[int, int]:
+    """``kv_bytes`` of a cache built from ``plan`` after ``tokens`` tokens, without running the model: the
+    stored sizes depend only on shapes, so zeros of the right shape are fed through the layers."""
+    import torch
+
+    arch = Architecture.from_config(model_config)
+    cache = plan.make_cache(model_config, scales)
+    zeros = torch.zeros(1, arch.num_kv_heads, tokens, arch.head_dim)
+    for idx in range(arch.num_layers):
+        cache.update(zeros, zeros, idx)
+    return cache.nbytes(), cache.fp16_nbytes()

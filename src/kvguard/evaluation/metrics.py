@@ -1,0 +1,75 @@
+"""Next-token quality metrics, accumulated over a token stream.
+
+- ``nll``: mean negative log-likelihood of the true next token (nats); ``ppl = exp(nll)``.
+- ``kl``: mean ``KL(p_ref || p)`` of the method's next-token distribution ``p`` from the reference's
+  ``p_ref`` (the FP16 cache on the same tokens), in nats.
+- ``top1_agree``: fraction of positions where the method's arg-max equals the reference's.
+
+and :func:`roc_auc`, how well a score separates two classes (the monitor's signals against real error).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class TokenMetrics:
+    """Running sums; feed it ``[N, vocab]`` logits slice by slice."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._nll = 0.0
+        self._kl = 0.0
+        self._agree = 0
+        self._compared = 0
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, reference_logprobs: torch.Tensor | None = None) -> None:
+        """``logits`` ``[N, V]`` predicting ``targets`` ``[N]``; ``reference_logprobs`` ``[N, V]`` (log-softmax)."""
+        if logits.shape[0] != targets.shape[0]:
+            raise ValueError(f"{logits.shape[0]} predictions for {targets.shape[0]} targets")
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        self._nll += -logprobs.gather(-1, targets.reshape(-1, 1)).double().sum().item()
+        self.count += targets.numel()
+        if reference_logprobs is not None:
+            ref = reference_logprobs.float()
+            if ref.shape != logprobs.shape:
+                raise ValueError(f"reference shape {tuple(ref.shape)} != logits shape {tuple(logprobs.shape)}")
+            self._kl += (ref.exp() * (ref - logprobs)).sum(-1).double().sum().item()
+            self._agree += int((ref.argmax(-1) == logprobs.argmax(-1)).sum())
+            self._compared += targets.numel()
+
+    @property
+    def nll(self) -> float:
+        return self._nll / self.count
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+    @property
+    def kl(self) -> float | None:
+        return self._kl / self._compared if self._compared else None
+
+    @property
+    def top1_agree(self) -> float | None:
+        return self._agree / self._compared if self._compared else None
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve of ``scores`` for binary ``labels`` (ties count half); NaN without both
+    classes."""
+    scores, labels = scores.reshape(-1).double(), labels.reshape(-1).bool()
+    pos, neg = int(labels.sum()), int((~labels).sum())
+    if pos == 0 or neg == 0:
+        return float("nan")
+    order = torch.argsort(scores)
+    ranks = torch.empty_like(scores)
+    sorted_scores = scores[order]
+    # Average ranks over ties.
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    avg = ends - (counts.double() - 1) / 2
+    ranks[order] = avg[inverse]
+    return float((ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))

@@ -1,0 +1,294 @@
+"""``kvguard serve``: the OpenAI-compatible HTTP application (Starlette) over an :class:`~kvguard.serving.engine.Engine`.
+
+    kvguard serve --model smollm2-135m --profile P [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent
+events), ``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` (Prometheus text format) and
+``GET /v1/kvguard/status`` (per-layer precision now, rollback level, trigger rate, KV bytes against FP16).
+The handlers are module-level functions that find the engine in ``request.app.state.engine``.
+
+Logs: one JSON line per request and one per compensation event, on stderr (or ``--log-file``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import sys
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvguard.serving.engine import Engine, Job
+from kvguard.serving.settings import ServeConfig
+from kvguard.serving.protocol import MAX_BODY_BYTES, RequestError
+
+COMPLETIONS, CHAT = "completions", "chat.completions"
+
+
+def _error(err: RequestError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status == 429 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+class BearerAuth:
+    """Bearer-key check on every route but /healthz (pure ASGI: streaming passes through untouched)."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.api_key is not None and scope["path"] != "/healthz":
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if given != f"Bearer {self.api_key}":
+                what = "no API key was sent" if not given else "the API key is wrong"
+                response = _error(RequestError(401, f"{what}: send 'Authorization: Bearer <key>'",
+                                               kind="authentication_error", code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _read_body(request: Request):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise RequestError(413, f"the request body is {size} bytes; at most {MAX_BODY_BYTES} are accepted")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise RequestError(413, f"the request body is {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(400, f"the request body is not valid JSON: {err}") from None
+
+
+def _finish(engine: Engine, job: Job, endpoint: str, status: str, done: dict | None, completion_tokens: int = 0) -> None:
+    """Count and log one finished request."""
+    r, m = job.request, engine.metrics
+    now = time.time()
+    m.requests.labels(endpoint, status).inc()
+    m.latency.labels(endpoint).observe(now - job.arrived)
+    m.prompt.inc(len(r.prompt_ids))
+    m.generated.inc(completion_tokens)
+    engine.totals["requests"] += 1
+    engine.totals["generated_tokens"] += completion_tokens
+    engine.totals["prompt_tokens"] += len(r.prompt_ids)
+    record = {"event": "request", "request": job.id, "endpoint": endpoint, "status": status,
+              "stream": r.stream, "prompt_tokens": len(r.prompt_ids), "completion_tokens": completion_tokens,
+              "seconds": round(now - job.arrived, 4)}
+    if done and done.get("first_token_at"):
+        ttft = done["first_token_at"] - job.arrived
+        m.ttft.observe(ttft)
+        record["ttft_s"] = round(ttft, 4)
+        decode = done["finished_at"] - done["first_token_at"]
+        if completion_tokens > 1 and decode > 0:
+            m.throughput.set((completion_tokens - 1) / decode)
+            record["tokens_per_s"] = round((completion_tokens - 1) / decode, 2)
+    summary = done and done.get("summary")
+    if summary:
+        record.update(finish_reason=done["finish_reason"], kv_bytes=summary["kv_bytes"],
+                      kv_bytes_fp16=summary["kv_bytes_fp16"], memory_saved=round(summary["memory_saved"], 4),
+                      trigger_rate=round(summary["trigger_rate"], 4), max_level=summary["max_level"],
+                      actions=summary["actions"], recomputed_positions=summary["recomputed_positions"])
+    engine.log(record)
+
+
+def _usage(job: Job, completion_tokens: int) -> dict:
+    p = len(job.request.prompt_ids)
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+
+
+def _kvguard_block(summary: dict | None) -> dict | None:
+    if not summary:
+        return None
+    return {k: summary[k] for k in ("kv_bytes", "kv_bytes_fp16", "memory_saved", "trigger_rate", "max_level",
+                                    "recomputed_positions", "actions")}
+
+
+async def _generate(request: Request, endpoint: str):
+    engine: Engine = request.app.state.engine
+    try:
+        body = await _read_body(request)
+        r = engine.parser.parse(endpoint, body)
+        job = engine.admit(r, asyncio.get_running_loop())
+    except RequestError as err:
+        engine.metrics.requests.labels(endpoint, str(err.status)).inc()
+        engine.log({"event": "request", "endpoint": endpoint, "status": err.status, "error": err.message})
+        return _error(err)
+    if r.stream:
+        return StreamingResponse(_stream(engine, job, endpoint), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _complete(engine, request, job, endpoint)
+
+
+async def _complete(engine: Engine, request: Request, job: Job, endpoint: str):
+    """A non-streamed completion: collect the text, answer once."""
+    text, done = [], None
+    try:
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled.set()
+                continue
+            if kind == "text":
+                text.append(payload)
+            elif kind == "done":
+                done = payload
+                break
+            elif kind == "error":
+                _finish(engine, job, endpoint, "500", None)
+                return _error(RequestError(500, payload, kind="server_error"))
+    except asyncio.CancelledError:
+        job.cancelled.set()
+        raise
+    n = done["completion_tokens"]
+    if done["finish_reason"] == "cancelled":
+        _finish(engine, job, endpoint, "cancelled", done, n)
+        return Response(status_code=499)  # nginx's "client closed request": nobody is left to read it
+    _finish(engine, job, endpoint, "200", done, n)
+    chat = endpoint == CHAT
+    content = "".join(text)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+               "finish_reason": done["finish_reason"]} if chat else
+              {"index": 0, "text": content, "logprobs": None, "finish_reason": done["finish_reason"]})
+    return JSONResponse({"id": _response_id(job, chat), "object": "chat.completion" if chat else "text_completion",
+                         "created": int(job.arrived), "model": engine.model_name, "choices": [choice],
+                         "usage": _usage(job, n), "kvguard": _kvguard_block(done["summary"])})
+
+
+def _response_id(job: Job, chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + job.id
+
+
+def _chunk(engine: Engine, job: Job, chat: bool, delta: str | None, finish_reason=None, *, role: bool = False,
+           usage: dict | None = None) -> str:
+    """One server-sent event of a streamed completion."""
+    body = {"id": _response_id(job, chat), "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(job.arrived), "model": engine.model_name}
+    if usage is not None:
+        body.update(choices=[], usage=usage)
+    elif chat:
+        d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+        body["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}]
+    else:
+        body["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}]
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def _stream(engine: Engine, job: Job, endpoint: str):
+    chat = endpoint == CHAT
+    status, done = "cancelled", None
+    try:
+        if chat:
+            yield _chunk(engine, job, chat, None, role=True)
+        while True:
+            kind, payload = await job.queue.get()
+            if kind == "text":
+                yield _chunk(engine, job, chat, payload)
+            elif kind == "done":
+                done = payload
+                break
+            elif kind == "error":
+                status = "500"
+                yield f"data: {json.dumps(RequestError(500, payload, kind='server_error').body())}\n\n"
+                return
+        if done["finish_reason"] == "cancelled":
+            return
+        status = "200"
+        yield _chunk(engine, job, chat, None, done["finish_reason"])
+        if job.request.include_usage:
+            yield _chunk(engine, job, chat, None, usage=_usage(job, done["completion_tokens"]))
+        yield "data: [DONE]\n\n"
+    finally:
+        if status == "cancelled":
+            job.cancelled.set()  # the client went away: the worker stops at its next token
+        _finish(engine, job, endpoint, status, done, done["completion_tokens"] if done else job.generated)
+
+
+async def completions(request: Request):
+    return await _generate(request, COMPLETIONS)
+
+
+async def chat_completions(request: Request):
+    return await _generate(request, CHAT)
+
+
+async def list_models(request: Request):
+    engine: Engine = request.app.state.engine
+    return JSONResponse({"object": "list", "data": [{"id": engine.model_name, "object": "model",
+                                                     "created": int(engine.started), "owned_by": "kvguard"}]})
+
+
+async def healthz(request: Request):
+    return JSONResponse({"status": "ok", "model": request.app.state.engine.model_name})
+
+
+async def metrics(request: Request):
+    return Response(generate_latest(request.app.state.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def status(request: Request):
+    return JSONResponse(request.app.state.engine.status())
+
+
+async def not_found(request: Request, exc):
+    return _error(RequestError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+
+async def bad_method(request: Request, exc):
+    return _error(RequestError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+
+ROUTES = [
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/healthz", healthz, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/v1/kvguard/status", status, methods=["GET"]),
+]
+
+
+def build_app(engine: Engine) -> Starlette:
+    """The Starlette application serving ``engine``."""
+    app = Starlette(routes=ROUTES, middleware=[Middleware(BearerAuth, api_key=engine.cfg.api_key)],
+                    exception_handlers={404: not_found, 405: bad_method})
+    app.state.engine = engine
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(cfg: ServeConfig) -> None:
+    """Load the model and profile, then serve until interrupted."""
+    import uvicorn
+
+    log = open(cfg.log_file, "a", buffering=1) if cfg.log_file else sys.stderr
+    engine = Engine(cfg, log=log)
+    if not is_loopback(cfg.host):
+        print(f"[kvguard serve] warning: listening on {cfg.host}, not loopback"
+              + ("" if cfg.api_key else " and without --api-key: anyone who can reach it can use it"),
+              file=sys.stderr, flush=True)
+    print(f"[kvguard serve] {engine.model_name} with profile {cfg.profile} ({engine.profile.meta.plan_summary()[:60]}"
+          f"...); {cfg.max_concurrency} workers x {engine.torch_threads} torch threads, queue {cfg.max_queue}; "
+          f"http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(build_app(engine), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
+    engine.pool.shutdown(wait=False, cancel_futures=True)
+    if cfg.log_file:
+        log.close()

@@ -1,0 +1,89 @@
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvguard.calibration import report
+from kvguard.config import Objective
+from kvguard.plan import LayerPlan, Plan
+from kvguard.profile import DataManifest, DomainData, Profile
+from tests.helpers import candidate, profile_meta
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+NAN = float("nan")
+
+
+def _profile(memory_budget=0.4, max_ppl_increase=1.0) -> Profile:
+    """4 layers x 2 KV heads, mixed tiers, one clipped layer, heads of layers 1 and 3 measured one by one."""
+    plan = Plan((
+        LayerPlan(("fp16", "int8")),
+        LayerPlan(("int8", "int8"), key_clip=0.9),
+        LayerPlan(("int4", "int2")),
+        LayerPlan(("int4", "int4")),
+    ))
+    # candidate(): measured increase ``ppl``, score memory + ppl.
+    log = (
+        candidate("L1 all-int8", plan, level=1, memory=0.55, ppl=0.01, kl=5e-5, feasible=False),
+        candidate("L1 all-int4", plan, level=1, memory=0.34, ppl=0.3, kl=1e-3),
+        candidate("L1 all-int2", plan, level=1, memory=0.21, ppl=7.8, kl=6e-2, feasible=False),
+        candidate("L2 mixed, predicted memory <= 0.400", plan, level=2, memory=0.39, ppl=-0.02, kl=5e-4),
+        candidate("L3 layer 1 key clip 0.9", plan, level=3, memory=0.39, ppl=-0.08, kl=5.5e-4),
+    )
+    meta = profile_meta(
+        plan, name="tiny-test", fingerprint="sha256:0123456789abcdef0123456789", head_dim=4,
+        layer_types=("sliding_attention", "full_attention") * 2, search_log=log, chosen=log[4],
+        pareto_front=("L1 all-int2", "L1 all-int4", "L3 layer 1 key clip 0.9"),
+        objective=Objective(memory_budget=memory_budget, max_ppl_increase=max_ppl_increase),
+        record={"sensitivity": {"layer_ranking": [1, 3, 2, 0]},
+                "run": {"seconds": {"statistics": 1.5, "sensitivity": 12.0, "level1": 3.0}}})
+    meta = replace(meta, kvguard_version="0.1.0",
+                   data=DataManifest({"prose": DomainData(4, 256, 2, 1, 256), "code": DomainData(4, 256, 2, 1, 256)},
+                                     8, 512, 64))
+    tensors = {
+        "sensitivity.alone_kl": torch.tensor([2e-4, 8e-3, 1e-3, 4e-3]),
+        "sensitivity.head_alone_kl": torch.tensor([[NAN, NAN], [6e-3, 1e-3], [NAN, NAN], [0.0, 5e-3]]),
+    }
+    return Profile(meta, tensors)
+
+
+@pytest.mark.parametrize("limits", [(0.4, 1.0), (None, None)])
+def test_write_plots_and_page(tmp_path, limits):
+    profile = _profile(*limits)
+    page = report.write(profile, tmp_path / "out")
+
+    assert page == tmp_path / "out" / "index.html"
+    for name in ("sensitivity.png", "pareto.png", "precision.png"):
+        assert (tmp_path / "out" / name).read_bytes().startswith(PNG_SIGNATURE)
+    text = page.read_text(encoding="utf-8")
+    for name in ("sensitivity.png", "pareto.png", "precision.png"):
+        assert f'<img src="{name}"' in text
+    assert "kvguard calibration report — tiny-test" in text
+    assert "sha256:0123456789ab…" in text and "0123456789abc" not in text  # the first 19 characters only
+    assert "L2 mixed, predicted memory &lt;= 0.400" in text
+    assert "predicted memory <= 0.400" not in text  # every text is escaped
+    assert '<tr class="chosen"><td>L3 layer 1 key clip 0.9</td>' in text
+    for c in profile.meta.search_log:
+        assert c.name.replace("<", "&lt;") in text
+
+
+def test_sensitivity_matrix_fills_unmeasured_rows_from_the_layer():
+    matrix, measured = report.sensitivity_matrix(_profile())
+    assert measured.tolist() == [False, True, False, True]
+    expected = [[1e-4, 1e-4], [6e-3, 1e-3], [5e-4, 5e-4], [0.0, 5e-3]]  # unmeasured: alone_kl / 2 heads
+    for got_row, want_row in zip(matrix.tolist(), expected):
+        assert got_row == pytest.approx(want_row, rel=1e-6)
+    assert not any(math.isnan(v) for row in matrix.tolist() for v in row)
+
+
+def test_import_does_not_load_matplotlib():
+    code = "import sys, kvguard.calibration.report; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_missing_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # None makes the import fail
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        report.write(_profile(), tmp_path)

@@ -1,0 +1,84 @@
+"""The search's pieces: objective, Pareto frontier, choice, and the tier allocation."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvguard.config import CacheConfig, Objective, penalty
+from kvguard.architecture import Architecture
+from kvguard.plan import Plan
+from kvguard.precision import Precision
+from kvguard.profile import Candidate, PlanScore
+from kvguard.calibration.latency import LatencyModel
+from kvguard.calibration.search import Searcher, best, pareto_front
+from kvguard.calibration.sensitivity import Sensitivity
+
+
+def _cand(name, memory, ppl, kl=0.001, feasible=True, score=None):
+    arch = Architecture("llama", 2, 1, 1, 4, ("full_attention",) * 2, None)
+    q = PlanScore(kl, {"prose": ppl}, 0.99)
+    return Candidate(name, 1, Plan.uniform(arch, "int4"), memory, 1.0, q, memory if score is None else score, feasible)
+
+
+def test_objective_scores_and_constraints():
+    obj = Objective(alpha=1.0, beta=0.5, gamma=2.0, max_ppl_increase=1.0, memory_budget=0.4)
+    # penalty(KL) = 100 * (e^KL - 1) percent
+    assert math.isclose(penalty(0.01), 100 * math.expm1(0.01))
+    assert math.isclose(obj.score(0.3, 1.2, 0.01), 0.3 + 0.6 + 2.0 * 100 * math.expm1(0.01))
+    assert obj.feasible(0.4, 1.0) and not obj.feasible(0.41, 0.1) and not obj.feasible(0.3, 1.5)
+    assert Objective(memory_budget=None, max_ppl_increase=None).feasible(9.0, 50.0)
+    with pytest.raises(ValueError, match="gamma"):
+        Objective(gamma=-1)
+    with pytest.raises(ValueError, match="memory_budget"):
+        Objective(memory_budget=0)
+
+
+def test_pareto_front_and_choice():
+    # The frontier is on memory vs the KL-predicted increase (the measured increase is too noisy to rank by).
+    cands = [_cand("a", 0.3, 0.0, kl=0.02), _cand("b", 0.35, 0.0, kl=0.005), _cand("c", 0.36, 0.0, kl=0.007),
+             _cand("d", 0.5, 0.0, kl=0.0), _cand("e", 0.2, 0.0, kl=0.05)]
+    assert [c.name for c in pareto_front(cands)] == ["e", "a", "b", "d"]
+    infeasible = [_cand("x", 0.1, 9.0, feasible=False, score=0.0), _cand("y", 0.5, 0.1, score=2.0)]
+    assert best(infeasible).name == "y"
+    # Ties on score go to the lower KL.
+    assert best([_cand("p", 0.3, 0.0, kl=0.002), _cand("q", 0.3, 0.0, kl=0.001)]).name == "q"
+
+
+def test_latency_model_weights_layers():
+    arch = Architecture("llama", 2, 2, 2, 4, ("full_attention",) * 2, None)
+    plan = Plan.uniform(arch, "int4").replace_layer(0, Plan.uniform(arch, "fp16").layers[0])
+    lat = LatencyModel({"fp16": 1.0, "int8": 1.1, "int4": 1.2, "int2": 1.3}, 1024)
+    assert math.isclose(lat.plan_latency(plan, torch.tensor([0.25, 0.75])), 0.25 + 0.75 * 1.2)
+    assert LatencyModel.from_dict(lat.to_dict()) == lat
+
+
+@pytest.mark.slow
+def test_allocation_puts_bytes_where_the_error_is(smollm2):
+    model, _ = smollm2
+    arch = Architecture.from_config(model.config)
+    searcher = Searcher(model, SimpleNamespace(arch=arch), Objective(), LatencyModel({}, 0), context=512, progress=False)
+    n = arch.num_layers
+    alone = torch.full((n,), 0.001)
+    alone[7] = 0.5  # one layer far more sensitive than the rest
+    sens = Sensitivity(Precision.INT4, Precision.INT2, 0.003, alone, torch.zeros(n), alone / 10,
+                       torch.full((n, arch.num_kv_heads), float("nan")))
+    costs = searcher.unit_costs(sens, int8_kl=0.00005)
+    layout = CacheConfig()
+    table, ref = searcher.layer_bytes(layout)
+    predicted = []
+    lo, hi = float(table[:, 3].sum() / ref.sum()), float(table[:, 0].sum() / ref.sum())  # all-INT2, all-FP16
+    for target in (lo + 0.1 * (hi - lo), lo + 0.3 * (hi - lo), lo + 0.6 * (hi - lo)):
+        plan = searcher.allocate(costs, layout, target)
+        memory = sum(float(table[i, ["fp16", "int8", "int4", "int2"].index(lp.precision[0].value)])
+                     for i, lp in enumerate(plan.layers)) / float(ref.sum())
+        assert memory <= target + 1e-9
+        # The sensitive layer is never the one sent to INT2, and gets the best tier any layer gets.
+        assert plan.layers[7].precision[0] is not Precision.INT2
+        order = ["int2", "int4", "int8", "fp16"]
+        assert all(order.index(plan.layers[7].precision[0].value) >= order.index(p.value)
+                   for lp in plan.layers for p in lp.precision)
+        predicted.append(sum(float(costs[i, h, ["fp16", "int8", "int4", "int2"].index(p.value)])
+                             for i, lp in enumerate(plan.layers) for h, p in enumerate(lp.precision)))
+    assert predicted[0] >= predicted[1] >= predicted[2]

@@ -1,0 +1,137 @@
+"""The policy as a pure state machine: hand-made windows in, decisions out; no model anywhere."""
+
+import pytest
+
+from kvguard.config import MonitorConfig
+from kvguard.control.policy import (MAX_LEVEL, Action, Alarm, PolicyState, Window, decide, raw_alarms)
+from kvguard.precision import Precision
+
+CFG = MonitorConfig()
+INT4, INT2, INT8, FP16 = Precision.INT4, Precision.INT2, Precision.INT8, Precision.FP16
+
+
+def _state(tiers=((INT4, INT4), (INT2, INT4), (INT4, INT4))) -> PolicyState:
+    return PolicyState.initial(tiers)
+
+
+def _window(drop=(0.0, 0.0, 0.0), consecutive=(0, 0, 0), monitored=(True, True, True), risk=None, nonfinite=False):
+    return Window(tuple(drop), tuple(consecutive), tuple(monitored), None if risk is None else tuple(risk), nonfinite)
+
+
+def _actions(step):
+    return [(d.action, d.alarm, d.layers) for d in step.decisions]
+
+
+def test_quiet_window_does_nothing():
+    step = decide(CFG, _state(), _window())
+    assert step.decisions == () and not step.acted and step.state.level == 0
+    assert step.state.steps_since_severe == 1 and step.state.recent == (False,)
+
+
+def test_warning_compensates_light_once_per_episode_and_rearms_below_half():
+    state = _state()
+    step = decide(CFG, state, _window(drop=(0.0, 0.21, 0.0)))
+    assert _actions(step) == [(Action.LIGHT, Alarm.WARNING, (1,))] and step.warning and step.acted
+    d = step.decisions[0]
+    assert (d.fraction, d.cap, d.level) == (0.02, 0.05, 0)
+    again = decide(CFG, step.state, _window(drop=(0.0, 0.21, 0.0)))  # same episode: no new action
+    assert again.decisions == () and not again.acted
+    calm = decide(CFG, again.state, _window(drop=(0.0, 0.09, 0.0)))  # under warn_drop / 2: re-armed
+    assert calm.state.armed[1]
+    assert _actions(decide(CFG, calm.state, _window(drop=(0.0, 0.3, 0.0)))) == [(Action.LIGHT, Alarm.WARNING, (1,))]
+
+
+def test_trigger_needs_the_consecutive_run_and_unmonitored_layers_never_alarm():
+    assert decide(CFG, _state(), _window(consecutive=(2, 0, 0))).decisions == ()
+    step = decide(CFG, _state(), _window(consecutive=(3, 0, 3)))
+    assert _actions(step) == [(Action.LIGHT, Alarm.TRIGGER, (0, 2))] and step.trigger and not step.warning
+    off = decide(CFG, _state(), _window(drop=(0.5, 0.5, 0.0), consecutive=(9, 9, 0), monitored=(False, False, True)))
+    assert off.decisions == () and not off.acted
+
+
+def test_severe_climbs_the_ladder_with_heavy_compensation_up_to_the_worst_layer():
+    cfg = MonitorConfig(heavy_layers=2)
+    step = decide(cfg, _state(), _window(drop=(0.4, 0.36, 0.5)))
+    assert _actions(step) == [(Action.ROLLBACK_INT8, Alarm.SEVERE, (2,)), (Action.HEAVY, Alarm.SEVERE, (1, 2))]
+    assert step.severe and not step.warning and step.state.level == 1
+    heavy = step.decisions[1]
+    assert (heavy.fraction, heavy.cap, heavy.level) == (0.04, 0.10, 1)  # level 1 doubles the shares
+    assert step.state.effective(0) == (INT8, INT8) and step.state.effective(1) == (INT8, INT8)
+    second = decide(cfg, step.state, _window(drop=(0.0, 0.0, 0.4)))
+    assert _actions(second) == [(Action.ROLLBACK_WIDEN, Alarm.SEVERE, (2,)), (Action.HEAVY, Alarm.SEVERE, (0, 1, 2))]
+    third = decide(cfg, second.state, _window(drop=(0.0, 0.0, 0.4)))
+    assert _actions(third) == [(Action.ROLLBACK_FULL, Alarm.SEVERE, (2,))] and third.state.level == MAX_LEVEL
+    assert all(third.state.effective(l) == (FP16, FP16) for l in range(3))
+    hold = decide(cfg, third.state, _window(drop=(0.0, 0.0, 0.4)))
+    assert _actions(hold) == [(Action.HOLD_FULL, Alarm.SEVERE, (2,))] and hold.state.level == MAX_LEVEL
+
+
+def test_nonfinite_reading_is_severe_on_the_last_layer():
+    step = decide(CFG, _state(), _window(nonfinite=True))
+    assert step.decisions[0].action is Action.ROLLBACK_INT8 and step.decisions[0].alarm is Alarm.NONFINITE
+    assert step.decisions[0].layers == (2,) and step.decisions[1].layers == (0, 1, 2)
+
+
+def test_the_ladder_steps_down_after_doubling_quiet_spells_and_restores_the_plan():
+    cfg = MonitorConfig(cooldown_steps=2)
+    state = _state()
+    for _ in range(3):
+        state = decide(cfg, state, _window(drop=(0.5, 0.0, 0.0))).state
+    assert state.level == 3
+    levels = []
+    for _ in range(2 * 4 + 2 * 2 + 2 * 1):
+        step = decide(cfg, state, _window())
+        state = step.state
+        levels.append(state.level)
+        if step.decisions:
+            assert step.decisions[0].action is Action.STEP_DOWN and step.decisions[0].alarm is Alarm.COOLDOWN
+    assert levels == [3] * 7 + [2] * 4 + [1] * 2 + [0]  # 2 * 4, then 2 * 2, then 2 * 1 quiet steps
+    assert state.tiers == state.floor
+
+
+def test_risk_promotes_after_promote_steps_within_one_tier_and_demotes_slowly():
+    cfg = MonitorConfig(promote_steps=2, demote_steps=2, max_promotion_tiers=1)
+    state = _state()
+    high = _window(risk=(0.95, 0.6, 0.1))
+    first = decide(cfg, state, high)
+    assert first.decisions == ()
+    second = decide(cfg, first.state, high)
+    # Layer 0 is above promote_risk; layer 1 above promote_layer_risk while layer 0 is there.
+    assert _actions(second) == [(Action.PRECISION_UP, Alarm.RISK, (0,)), (Action.LIGHT, Alarm.RISK, (0,)),
+                                (Action.PRECISION_UP, Alarm.RISK, (1,)), (Action.LIGHT, Alarm.RISK, (1,))]
+    assert second.decisions[1].fraction == second.decisions[1].cap == 0.05  # a promotion recomputes its whole share
+    assert second.state.tiers[0] == (INT8, INT8) and second.state.tiers[1] == (INT4, INT8)
+    capped = decide(cfg, decide(cfg, second.state, high).state, high)
+    assert capped.state.tiers[0] == (INT8, INT8)  # at most one tier above the plan
+    state, downs = capped.state, []
+    for _ in range(12):
+        step = decide(cfg, state, _window(risk=(0.1, 0.1, 0.1)))
+        state = step.state
+        downs += [d.layers[0] for d in step.decisions if d.action is Action.PRECISION_DOWN]
+    assert state.tiers == state.floor and downs == [0, 1]
+    assert state.demotions[:2] == (1, 1)
+
+
+def test_trigger_rate_recommends_recalibration_once():
+    cfg = MonitorConfig(trigger_rate_steps=40, max_trigger_rate=0.05)
+    state, recommended = _state(), 0
+    for i in range(60):
+        drop = (0.3, 0.0, 0.0) if i % 2 == 0 else (0.0, 0.0, 0.0)  # an alarm every other step, re-armed between
+        step = decide(cfg, state, _window(drop=drop))
+        state = step.state
+        recommended += sum(d.action is Action.RECOMMEND_RECALIBRATION for d in step.decisions)
+    assert recommended == 1 and state.recalibration_recommended and len(state.recent) == 40
+    assert state.trigger_rate == pytest.approx(0.5)
+
+
+def test_raw_alarms_are_the_rules_without_episodes():
+    flags = raw_alarms(CFG, (0.2, 0.36, 0.1), (0, 3, 2), (True, True, False))
+    assert flags.warning == (True, True, False) and flags.severe == (False, True, False)
+    assert flags.trigger == (False, True, False)
+
+
+def test_bad_evidence_is_refused():
+    with pytest.raises(ValueError, match="one entry per layer"):
+        Window((0.0, 0.0), (0,), (True, True))
+    with pytest.raises(ValueError, match="layers"):
+        decide(CFG, _state(), Window((0.0,), (0,), (True,)))

@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+from kvguard.evaluation import methods
+from kvguard.architecture import Architecture
+
+TINY = Architecture("llama", num_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=32,
+                    layer_types=("sliding_attention", "full_attention"), sliding_window=48)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int2", "kivi-4", "kivi-2"])
+def test_static_bytes_equal_the_bytes_after_decoding_token_by_token(name):
+    plan = methods.get(name).plan(TINY)
+    cache = plan.make_cache(TINY)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(203):
+        for layer in range(TINY.num_layers):
+            k, v = torch.randn(1, 2, 1, 32, generator=gen), torch.randn(1, 2, 1, 32, generator=gen)
+            cache.update(k, v, layer)
+    assert methods.static_kv_bytes(plan, TINY, 203) == methods.kv_bytes(cache)
+
+
+def test_registry_names_and_layouts():
+    assert set(methods.METHODS) >= {"fp16", "int8", "int4", "kivi-4", "kivi-2", "hf-quanto-4", "hf-quanto-2", "hf-hqq-4"}
+    kivi = methods.get("kivi-4").plan(TINY)
+    assert (kivi.cache.residual, kivi.cache.sinks, kivi.cache.group_size) == (128, 0, 32)
+    assert not methods.get("hf-quanto-4").simulatable and methods.get("int4").simulatable

@@ -1,0 +1,34 @@
+import math
+
+import pytest
+import torch
+
+from kvguard.evaluation.metrics import TokenMetrics
+
+
+def test_hand_computed_nll_kl_top1():
+    # Reference distribution [.5, .25, .25]; the method predicts [.25, .5, .25].
+    ref = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.25, 0.25]]))
+    logits = torch.log(torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25]]))
+    m = TokenMetrics()
+    m.add(logits, torch.tensor([1, 0]), ref)
+    assert m.nll == pytest.approx((math.log(2) + math.log(2)) / 2)
+    assert m.ppl == pytest.approx(2.0)
+    # KL(ref || p) at position 0: .5 log(.5/.25) + .25 log(.25/.5) = .25 log 2; position 1: 0.
+    assert m.kl == pytest.approx(0.25 * math.log(2) / 2)
+    assert m.top1_agree == 0.5
+
+
+def test_identical_distributions_score_zero_kl_and_full_agreement():
+    logits = torch.randn(7, 11)
+    m = TokenMetrics()
+    m.add(logits, torch.arange(7), torch.log_softmax(logits, -1))
+    assert m.kl == pytest.approx(0.0, abs=1e-6) and m.top1_agree == 1.0
+
+
+def test_metrics_without_reference_and_shape_errors():
+    m = TokenMetrics()
+    m.add(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+    assert m.ppl == pytest.approx(8.0) and m.kl is None and m.top1_agree is None
+    with pytest.raises(ValueError, match="predictions"):
+        m.add(torch.zeros(3, 8), torch.zeros(4, dtype=torch.long))

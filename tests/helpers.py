@@ -1,0 +1,70 @@
+"""What several test modules build: a small real calibration's settings, and typed profile metadata."""
+
+from __future__ import annotations
+
+from kvguard.config import MonitorConfig, Objective
+from kvguard.plan import Plan
+from kvguard.profile import Candidate, DataManifest, DomainData, ModelInfo, PlanScore, ProfileMeta, Settings
+
+ZERO_FINGERPRINT = "sha256:" + "0" * 64
+
+
+# A small real calibration of SmolLM2 (seconds, not minutes). Latency does not enter the score (beta 0): the
+# tests are about the pipeline and the profile's use, and latency is measured separately.
+def small_config(out, **kw):
+    from kvguard.calibration.settings import CalibrationConfig
+
+    settings = dict(samples=8, domains=("prose", "code"), max_tokens=64, batch_size=4, heldout_tokens=512,
+                    context=512, head_layers=1, latency_context=128,
+                    objective=Objective(beta=0.0, memory_budget=0.40, max_ppl_increase=2.0))
+    settings.update(kw)
+    return CalibrationConfig("smollm2-135m", out, **settings)
+
+
+def candidate(name: str, plan: Plan, *, level: int = 1, memory: float = 0.4, kl: float = 1e-3,
+              ppl: float = 0.1, feasible: bool = True) -> Candidate:
+    return Candidate(name, level, plan, memory, 1.0, PlanScore(kl, {"prose": ppl}, 0.99), memory + ppl, feasible)
+
+
+def profile_meta(plan: Plan, *, name: str = "tiny", fingerprint: str = ZERO_FINGERPRINT, model_type: str = "llama",
+                 head_dim: int = 4, layer_types: tuple[str, ...] | None = None, search_log: tuple[Candidate, ...] = (),
+                 pareto_front: tuple[str, ...] | None = None, chosen: Candidate | None = None,
+                 objective: Objective | None = None, monitor: MonitorConfig | None = None,
+                 record: dict | None = None) -> ProfileMeta:
+    """Valid metadata for ``plan`` (the search log defaults to the plan alone, chosen and on the frontier)."""
+    n = len(plan.layers)
+    chosen = chosen or candidate("chosen", plan)
+    log = search_log or (chosen,)
+    data = DataManifest({"prose": DomainData(4, 256, 2, 1, 256)}, 4, 256, 64)
+    return ProfileMeta(
+        model=ModelInfo(name, fingerprint, model_type, n, len(plan.layers[0].precision), head_dim,
+                        layer_types or ("full_attention",) * n),
+        plan=plan, monitor=monitor or MonitorConfig(), risk_classifier=None, objective=objective or Objective(),
+        settings=Settings(0, 4, 512, 512, 1, 128), data=data, chosen=chosen, constraints_met=chosen.feasible,
+        search_log=log, pareto_front=pareto_front if pareto_front is not None else tuple(c.name for c in log),
+        kvguard_version="test", record=record or {})
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A small random Llama (2 layers, 4 query / 2 KV heads, head_dim 16) for fast unit tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, attn_implementation="sdpa")
+    settings.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**settings)).eval()
+
+
+def kvguard_env(**extra) -> dict:
+    """The environment for a ``python -m kvguard`` subprocess that runs the kvguard this process imports (its
+    source folder first on ``PYTHONPATH``), not whichever one the interpreter has installed."""
+    import os
+    from pathlib import Path
+
+    import kvguard
+
+    src = str(Path(kvguard.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
