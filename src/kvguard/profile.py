@@ -309,6 +309,8 @@ class Profile:
         from safetensors.torch import load_file
 
         directory = Path(directory)
+        if not directory.exists():
+            atomic.recover(directory)  # a writer killed between the two renames of a replacement
         json_path, tensor_path = directory / JSON_NAME, directory / TENSORS_NAME
         if not json_path.is_file():
             raise ProfileError(f"{directory} is not a kvguard profile (no {JSON_NAME}); create one with `kvguard calibrate`")
