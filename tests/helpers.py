@@ -9,14 +9,14 @@ from kvguard.profile import Candidate, DataManifest, DomainData, ModelInfo, Plan
 ZERO_FINGERPRINT = "sha256:" + "0" * 64
 
 
-# A small real calibration of SmolLM2 (seconds, not minutes). Latency does not enter the score (beta 0): the
-# tests are about the pipeline and the profile's use, and latency is measured separately.
+# A small real calibration of SmolLM2 (seconds, not minutes). Latency is in the score with the default weight:
+# its model is counted from shapes, so the same settings give the same plan on any machine, loaded or not.
 def small_config(out, **kw):
     from kvguard.calibration.settings import CalibrationConfig
 
     settings = dict(samples=8, domains=("prose", "code"), max_tokens=64, batch_size=4, heldout_tokens=512,
                     context=512, head_layers=1, latency_context=128,
-                    objective=Objective(beta=0.0, memory_budget=0.40, max_ppl_increase=2.0))
+                    objective=Objective(memory_budget=0.40, max_ppl_increase=2.0))
     settings.update(kw)
     return CalibrationConfig("smollm2-135m", out, **settings)
 

@@ -1,0 +1,143 @@
+"""Calibration under faults: a second run on the same --out, a machine under load, an interrupted and killed
+run resumed."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from kvguard import cli, models
+from kvguard.calibration.latency import count_latency
+from kvguard.calibration.output import locked
+from kvguard.calibration.pipeline import calibrate
+from kvguard.config import CacheConfig
+from kvguard.profile import JSON_NAME, Profile
+from tests.helpers import kvguard_env, small_config, tiny_llama, tiny_profile
+
+
+def _no_model(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the lock was checked")
+
+    monkeypatch.setattr(models, "load", refuse)
+
+
+def test_a_second_calibration_on_the_same_out_is_refused(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "profile"
+    tiny_profile(out, name="first")
+    _no_model(monkeypatch)
+    with locked(out):
+        for argv in (["calibrate", "--out", str(out)], ["calibrate", "--out", str(out), "--monitor-only"]):
+            assert cli.main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("kvguard calibrate: error: ") and err.count("\n") == 1
+            assert f"--out {out} is being written by another calibration (pid {os.getpid()}" in err
+    assert Profile.load(out).meta.model.name == "first"  # nothing mixed, nothing deleted
+    with locked(out):  # released with the block
+        pass
+
+
+def test_a_killed_runs_lock_does_not_block_the_next(tmp_path):
+    out = tmp_path / "profile"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, sys, time
+        fd = os.open({str(tmp_path / '.profile.lock')!r}, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match="being written by another calibration"):
+            with locked(out):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with locked(out):  # the kernel released the dead run's lock
+        pass
+
+
+def test_the_latency_model_is_counted_not_timed():
+    model = tiny_llama()
+    first = count_latency(model, CacheConfig(group_size=16), context=256)
+    again = count_latency(model, CacheConfig(group_size=16), context=256)
+    assert first == again
+    r = first.ratios
+    assert r["fp16"] == 1.0 and r["int2"] < r["int4"] < r["int8"] < 1.0
+    assert first.step_bytes["fp16"] > first.step_bytes["int4"] > 2 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_same_plan_on_a_loaded_machine(small_profile_dir, tmp_path):
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        loaded = calibrate(small_config(tmp_path / "profile"), progress=False)
+    finally:
+        busy.kill()
+        busy.wait()
+    idle = Profile.load(small_profile_dir)
+    assert loaded.meta.objective.beta > 0  # the latency term is in the score
+    assert loaded.meta.plan == idle.meta.plan
+    assert [(c.name, c.latency, c.score) for c in loaded.meta.search_log] == \
+           [(c.name, c.latency, c.score) for c in idle.meta.search_log]
+
+
+_KILL_DURING_WRITE = """
+import os, signal, sys
+import safetensors.torch
+from kvguard.calibration.pipeline import calibrate
+from tests.helpers import small_config
+
+real = safetensors.torch.save_file
+
+def save_file(tensors, path, *a, **k):
+    if os.path.basename(path) == "tensors.safetensors":  # the profile's, not a checkpoint's
+        real(tensors, path, *a, **k)
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(tensors, path, *a, **k)
+
+safetensors.torch.save_file = save_file
+calibrate(small_config(sys.argv[1]), resume=True, progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_interrupted_then_killed_while_writing_resumes_to_the_same_plan(small_profile_dir, tmp_path):
+    out = tmp_path / "profile"
+    tiny_profile(out, name="previous")
+    cfg = small_config(out)
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = kvguard_env(PYTHONPATH=os.pathsep.join([root, kvguard_env()["PYTHONPATH"]]))
+    argv = [sys.executable, "-c", "import sys; from kvguard.calibration.pipeline import calibrate; "
+            "from tests.helpers import small_config; calibrate(small_config(sys.argv[1]), progress=False)", str(out)]
+    # 1. SIGINT once the first stages are checkpointed.
+    run = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, cwd=root)
+    for line in run.stderr:
+        if "stage level1 ..." in line:
+            run.send_signal(signal.SIGINT)
+            break
+    run.communicate(timeout=300)
+    assert run.returncode != 0
+    partial = tmp_path / "profile.partial"
+    assert (partial / "statistics.json").is_file() and (partial / "latency.json").is_file()
+    # 2. Resumed, and killed in the middle of writing the profile: the previous profile is intact.
+    kill = subprocess.run([sys.executable, "-c", _KILL_DURING_WRITE, str(out)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=900)
+    assert kill.returncode == -signal.SIGKILL, kill.stderr[-2000:]
+    assert Profile.load(out).meta.model.name == "previous"
+    assert not any((p / JSON_NAME).exists() for p in tmp_path.iterdir() if p.name.startswith(".profile.tmp-"))
+    # 3. Resumed again: the same plan and search as an uninterrupted run.
+    resumed = calibrate(cfg, resume=True, progress=False)
+    idle = Profile.load(small_profile_dir)
+    assert resumed.meta.plan == idle.meta.plan
+    assert [(c.name, c.quality, c.latency) for c in resumed.meta.search_log] == \
+           [(c.name, c.quality, c.latency) for c in idle.meta.search_log]
+    assert "statistics" in resumed.meta.record["run"]["resumed_stages"]
+    assert torch.equal(resumed.tensors["calibrated.key.absmax"], idle.tensors["calibrated.key.absmax"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".profile.lock", "profile"]
