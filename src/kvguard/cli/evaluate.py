@@ -7,8 +7,8 @@ import os
 
 from kvguard.cli.common import CommandError, add_model, csv, positive, writable_file
 
-# Below this many tokens the cache holds nothing quantized (the first 4 and the last 64 tokens stay in full
-# precision, and quantization works in groups of 32): every method would score exactly like fp16.
+# The first 4 and the last 64 tokens stay in full precision and tokens are quantized in groups of 32: below
+# about 100 tokens nothing is quantized and every method scores exactly like fp16; 128 leaves at least one group.
 MIN_TOKENS = 128
 DEFAULT_METHODS = "fp16,int8,int4,int2,kivi-4,kivi-2,hf-quanto-4,hf-quanto-2,hf-hqq-4"
 
@@ -71,8 +71,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     for flag in ("tokens", "windows", "chunk", "trials", "new_tokens"):
         positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.task == "ppl" and args.tokens < MIN_TOKENS:
-        raise CommandError(f"--tokens {args.tokens} is too few: at least {MIN_TOKENS} tokens are needed (below that "
-                           f"nothing in the cache is quantized and every method scores like fp16)")
+        raise CommandError(f"--tokens {args.tokens} is too few: at least {MIN_TOKENS} tokens are needed (with fewer, the "
+                           f"cache keeps them all in full precision and every method scores like fp16)")
     corpora = csv(args.corpus)
     bad = [c for c in corpora if c not in data.CORPORA]
     if bad or not corpora:
@@ -121,7 +121,7 @@ def _streams(args, tok) -> dict[str, list]:
         ids = data.load_text_file(args.text_file, tok, args.tokens)
         if ids.numel() < MIN_TOKENS:
             raise CommandError(f"--text-file {args.text_file} has {ids.numel()} tokens; at least {MIN_TOKENS} are "
-                               f"needed (below that nothing in the cache is quantized)")
+                               f"needed (with fewer, the cache keeps them all in full precision)")
         return {os.path.basename(args.text_file): [ids]}
     return {c: _windows(data.token_stream(c, "eval", tok, args.tokens * args.windows), args.tokens, tok)
             for c in csv(args.corpus)}
