@@ -14,12 +14,10 @@ import torch
 
 import kvguard
 from tests.helpers import small_config
-from kvguard import cli, models
+from kvguard import cli
 from kvguard.calibration.pipeline import calibrate
 from kvguard.calibration.distributed import RayConfig
 from kvguard.profile import Profile
-
-LAYERS = 4
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +29,6 @@ def ray_cluster():
              runtime_env={"env_vars": {"PYTHONPATH": package_root, "HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def smollm2_4_layers(tmp_path_factory) -> Path:
-    """SmolLM2-135M's first ``LAYERS`` decoder layers, its embeddings, norm and head, as a model folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    source = models.resolve("smollm2-135m")
-    config = AutoConfig.from_pretrained(source)
-    config.num_hidden_layers = LAYERS
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:LAYERS]
-    out = tmp_path_factory.mktemp("smollm2-4-layers")
-    AutoModelForCausalLM.from_pretrained(source, config=config).save_pretrained(out)
-    AutoTokenizer.from_pretrained(source).save_pretrained(out)
-    return out
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

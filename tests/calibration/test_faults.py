@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,7 @@ def test_the_latency_model_is_counted_not_timed():
 _KILL_DURING_WRITE = """
 import os, signal, sys
 import safetensors.torch
+from dataclasses import replace
 from kvguard.calibration.pipeline import calibrate
 from tests.helpers import small_config
 
@@ -88,15 +90,18 @@ def save_file(tensors, path, *a, **k):
     real(tensors, path, *a, **k)
 
 safetensors.torch.save_file = save_file
-calibrate(small_config(sys.argv[1]), resume=True, progress=False)
+calibrate(replace(small_config(sys.argv[1]), model=sys.argv[2]), resume=True, progress=False)
 """
 
 
 @pytest.mark.slow
-def test_interrupted_then_killed_while_writing_under_load_resumes_to_the_same_plan(small_profile_dir, tmp_path):
+def test_interrupted_then_killed_while_writing_under_load_resumes_to_the_same_plan(smollm2_4_layers, tmp_path):
     """One run that meets every fault: computed on a machine under CPU load (a busy loop), interrupted with
     SIGINT, resumed and SIGKILLed in the middle of writing the profile, resumed again. Its plan and search must
-    be those of the shared uninterrupted run on an idle machine, and the previous profile intact until the end."""
+    be those of an uninterrupted run on the idle machine, and the previous profile intact until the end. (Real
+    SmolLM2 weights, its first 4 layers: the faulted run is repeated in full.)"""
+    model = str(smollm2_4_layers)
+    idle = calibrate(replace(small_config(tmp_path / "idle"), model=model), progress=False)
     out = tmp_path / "profile"
     tiny_profile(out, name="previous")
     root = str(Path(__file__).resolve().parents[2])
@@ -104,10 +109,10 @@ def test_interrupted_then_killed_while_writing_under_load_resumes_to_the_same_pl
     env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]])  # the children import tests.helpers
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        _interrupt(out, env, root)
+        _interrupt(out, model, env, root)
         partial = tmp_path / "profile.partial"
         assert (partial / "statistics.json").is_file() and (partial / "latency.json").is_file()
-        kill = subprocess.run([sys.executable, "-c", _KILL_DURING_WRITE, str(out)], env=env, cwd=root,
+        kill = subprocess.run([sys.executable, "-c", _KILL_DURING_WRITE, str(out), model], env=env, cwd=root,
                               capture_output=True, text=True, timeout=1200)
     finally:
         busy.kill()
@@ -115,22 +120,23 @@ def test_interrupted_then_killed_while_writing_under_load_resumes_to_the_same_pl
     assert kill.returncode == -signal.SIGKILL, kill.stderr[-2000:]
     assert Profile.load(out).meta.model.name == "previous"
     assert not any((p / JSON_NAME).exists() for p in tmp_path.iterdir() if p.name.startswith(".profile.tmp-"))
-    resumed = calibrate(small_config(out), resume=True, progress=False)
-    idle = Profile.load(small_profile_dir)
+    resumed = calibrate(replace(small_config(out), model=model), resume=True, progress=False)
     assert resumed.meta.objective.beta > 0  # the latency term is in the score
     assert resumed.meta.plan == idle.meta.plan
     assert [(c.name, c.quality, c.latency, c.score) for c in resumed.meta.search_log] == \
            [(c.name, c.quality, c.latency, c.score) for c in idle.meta.search_log]
     assert resumed.meta.record["run"]["resumed_stages"] == list(STAGES)
     assert torch.equal(resumed.tensors["calibrated.key.absmax"], idle.tensors["calibrated.key.absmax"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".profile.lock", "profile"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".idle.lock", ".profile.lock", "idle", "profile"]
 
 
-def _interrupt(out: Path, env: dict, root: str) -> None:
+def _interrupt(out: Path, model: str, env: dict, root: str) -> None:
     """A calibration in a subprocess, sent SIGINT once its first stages are checkpointed."""
-    argv = [sys.executable, "-c", "import sys; from kvguard.calibration.pipeline import calibrate; "
-            "from tests.helpers import small_config; calibrate(small_config(sys.argv[1]), progress=False)", str(out)]
-    run = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, cwd=root)
+    script = ("import sys; from dataclasses import replace; from kvguard.calibration.pipeline import calibrate; "
+              "from tests.helpers import small_config; "
+              "calibrate(replace(small_config(sys.argv[1]), model=sys.argv[2]), progress=False)")
+    run = subprocess.Popen([sys.executable, "-c", script, str(out), model], env=env, stderr=subprocess.PIPE,
+                           text=True, cwd=root)
     for line in run.stderr:
         if "stage level1 ..." in line:
             run.send_signal(signal.SIGINT)
