@@ -74,12 +74,15 @@ def test_the_latency_model_is_counted_not_timed():
     assert first.step_bytes["fp16"] > first.step_bytes["int4"] > 2 * sum(p.numel() for p in model.parameters())
 
 
-_KILL_DURING_WRITE = """
+# One domain and the least held-out text: the faulted run is repeated in full, so it is kept as short as a real
+# calibration gets.
+TINY = dict(domains=("prose",), heldout_tokens=256)
+_CHILD = "from dataclasses import replace; from tests.helpers import small_config; TINY = " + repr(TINY) + "\n"
+
+_KILL_DURING_WRITE = _CHILD + """
 import os, signal, sys
 import safetensors.torch
-from dataclasses import replace
 from kvguard.calibration.pipeline import calibrate
-from tests.helpers import small_config
 
 real = safetensors.torch.save_file
 
@@ -90,7 +93,7 @@ def save_file(tensors, path, *a, **k):
     real(tensors, path, *a, **k)
 
 safetensors.torch.save_file = save_file
-calibrate(replace(small_config(sys.argv[1]), model=sys.argv[2]), resume=True, progress=False)
+calibrate(replace(small_config(sys.argv[1]), model=sys.argv[2], **TINY), resume=True, progress=False)
 """
 
 
@@ -101,7 +104,7 @@ def test_interrupted_then_killed_while_writing_under_load_resumes_to_the_same_pl
     be those of an uninterrupted run on the idle machine, and the previous profile intact until the end. (Real
     SmolLM2 weights, its first 4 layers: the faulted run is repeated in full.)"""
     model = str(smollm2_4_layers)
-    idle = calibrate(replace(small_config(tmp_path / "idle"), model=model), progress=False)
+    idle = calibrate(replace(small_config(tmp_path / "idle"), model=model, **TINY), progress=False)
     out = tmp_path / "profile"
     tiny_profile(out, name="previous")
     root = str(Path(__file__).resolve().parents[2])
@@ -120,21 +123,21 @@ def test_interrupted_then_killed_while_writing_under_load_resumes_to_the_same_pl
     assert kill.returncode == -signal.SIGKILL, kill.stderr[-2000:]
     assert Profile.load(out).meta.model.name == "previous"
     assert not any((p / JSON_NAME).exists() for p in tmp_path.iterdir() if p.name.startswith(".profile.tmp-"))
-    resumed = calibrate(replace(small_config(out), model=model), resume=True, progress=False)
+    resumed = calibrate(replace(small_config(out), model=model, **TINY), resume=True, progress=False)
     assert resumed.meta.objective.beta > 0  # the latency term is in the score
     assert resumed.meta.plan == idle.meta.plan
     assert [(c.name, c.quality, c.latency, c.score) for c in resumed.meta.search_log] == \
            [(c.name, c.quality, c.latency, c.score) for c in idle.meta.search_log]
     assert resumed.meta.record["run"]["resumed_stages"] == list(STAGES)
     assert torch.equal(resumed.tensors["calibrated.key.absmax"], idle.tensors["calibrated.key.absmax"])
+    assert Profile.load(out).meta.plan == idle.meta.plan  # and the written profile passes every check on load
     assert sorted(p.name for p in tmp_path.iterdir()) == [".idle.lock", ".profile.lock", "idle", "profile"]
 
 
 def _interrupt(out: Path, model: str, env: dict, root: str) -> None:
     """A calibration in a subprocess, sent SIGINT once its first stages are checkpointed."""
-    script = ("import sys; from dataclasses import replace; from kvguard.calibration.pipeline import calibrate; "
-              "from tests.helpers import small_config; "
-              "calibrate(replace(small_config(sys.argv[1]), model=sys.argv[2]), progress=False)")
+    script = _CHILD + ("import sys; from kvguard.calibration.pipeline import calibrate; "
+                       "calibrate(replace(small_config(sys.argv[1]), model=sys.argv[2], **TINY), progress=False)")
     run = subprocess.Popen([sys.executable, "-c", script, str(out), model], env=env, stderr=subprocess.PIPE,
                            text=True, cwd=root)
     for line in run.stderr:
