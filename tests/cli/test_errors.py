@@ -217,7 +217,7 @@ def test_a_failed_final_write_still_prints_the_table(tmp_path, monkeypatch, caps
         raise OSError(28, "No space left on device", str(path))
 
     monkeypatch.setattr(harness, "write_json", disk_full)
-    argv = ["eval", "--methods", "fp16,int4", "--tokens", "128", "--json", str(tmp_path / "out.json")]
+    argv = ["eval", "--methods", "int4", "--tokens", "128", "--json", str(tmp_path / "out.json")]
     rc = cli.main(argv)
     captured = capsys.readouterr()
     assert rc == 2 and "No space left on device" in captured.err and "Traceback" not in captured.err
