@@ -35,3 +35,23 @@ def small_profile_dir(tmp_path_factory, smollm2):
     out = tmp_path_factory.mktemp("cal") / "profile"
     calibrate(small_config(out), progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_4_layers(tmp_path_factory):
+    """SmolLM2-135M's first 4 decoder layers, its embeddings, norm and head, as a model folder: real weights and
+    text for calibration runs that have to be repeated (a run takes a fraction of the 30-layer model's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvguard import models
+
+    layers = 4
+    source = models.resolve("smollm2-135m")
+    config = AutoConfig.from_pretrained(source)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    out = tmp_path_factory.mktemp("smollm2-4-layers")
+    AutoModelForCausalLM.from_pretrained(source, config=config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out

@@ -9,14 +9,14 @@ from kvguard.profile import Candidate, DataManifest, DomainData, ModelInfo, Plan
 ZERO_FINGERPRINT = "sha256:" + "0" * 64
 
 
-# A small real calibration of SmolLM2 (seconds, not minutes). Latency does not enter the score (beta 0): the
-# tests are about the pipeline and the profile's use, and latency is measured separately.
+# A small real calibration of SmolLM2 (seconds, not minutes). Latency is in the score with the default weight:
+# its model is counted from shapes, so the same settings give the same plan on any machine, loaded or not.
 def small_config(out, **kw):
     from kvguard.calibration.settings import CalibrationConfig
 
     settings = dict(samples=8, domains=("prose", "code"), max_tokens=64, batch_size=4, heldout_tokens=512,
                     context=512, head_layers=1, latency_context=128,
-                    objective=Objective(beta=0.0, memory_budget=0.40, max_ppl_increase=2.0))
+                    objective=Objective(memory_budget=0.40, max_ppl_increase=2.0))
     settings.update(kw)
     return CalibrationConfig("smollm2-135m", out, **settings)
 
@@ -68,3 +68,35 @@ def kvguard_env(**extra) -> dict:
     src = str(Path(kvguard.__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+def tiny_profile(path, *, tensors: dict | None = None, **meta_kw):
+    """A valid 2-layer, 2-KV-head profile saved at ``path`` (``tensors`` replaces the default tensor file)."""
+    import torch
+
+    from kvguard.entropy import EntropyBaseline
+    from kvguard.plan import LayerPlan
+    from kvguard.profile import Profile
+
+    plan = Plan((LayerPlan(("int4", "int8")), LayerPlan(("int2", "fp16"), key_clip=0.9)))
+    g = torch.Generator().manual_seed(0)
+    default = {"calibrated.key.absmax": torch.rand(2, 2, 4, generator=g) + 0.1,
+               "calibrated.value.absmax": torch.rand(2, 2, 4, generator=g) + 0.1,
+               **EntropyBaseline(*(torch.rand(2, 4, 3, generator=g) for _ in range(3)), torch.rand(2, 4, generator=g)).tensors()}
+    return Profile(profile_meta(plan, **meta_kw), default if tensors is None else tensors).save(path)
+
+
+def edit_profile(path, edit, *, reseal: bool = True) -> None:
+    """Apply ``edit(raw)`` to a saved profile's ``profile.json``; ``reseal`` recomputes its manifest hash (so
+    the edit is seen by the block checks, not only by the hash)."""
+    import json
+    from pathlib import Path
+
+    from kvguard.profile import JSON_NAME, manifest_sha256
+
+    file = Path(path) / JSON_NAME
+    raw = json.loads(file.read_text())
+    edit(raw)
+    if reseal:
+        raw["manifest_sha256"] = manifest_sha256(raw)
+    file.write_text(json.dumps(raw))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvguard.config import MonitorConfig
+from kvguard.entropy import EntropyBaseline
 from kvguard.plan import LayerPlan, Plan
 from kvguard.profile import JSON_NAME, SCHEMA_VERSION, TENSORS_NAME, Profile, ProfileError, ProfileMeta
 from tests.helpers import ZERO_FINGERPRINT, profile_meta
@@ -14,7 +15,8 @@ from tests.helpers import ZERO_FINGERPRINT, profile_meta
 def _profile(fingerprint=ZERO_FINGERPRINT) -> Profile:
     plan = Plan((LayerPlan(("int4", "int8")), LayerPlan(("int2", "fp16"), key_clip=0.9)))
     meta = profile_meta(plan, fingerprint=fingerprint, monitor=MonitorConfig())
-    tensors = {"calibrated.key.absmax": torch.rand(2, 2, 4) + 0.1, "calibrated.value.absmax": torch.rand(2, 2, 4) + 0.1}
+    tensors = {"calibrated.key.absmax": torch.rand(2, 2, 4) + 0.1, "calibrated.value.absmax": torch.rand(2, 2, 4) + 0.1,
+               **EntropyBaseline(*(torch.rand(2, 4, 3) for _ in range(3)), torch.rand(2, 4)).tensors()}
     return Profile(meta, tensors)
 
 

@@ -166,13 +166,14 @@ class Objective:
     memory_budget: float | None = 0.40
 
     def __post_init__(self) -> None:
+        # ``not x >= 0`` rather than ``x < 0``: NaN compares false with everything and would slip through.
         for name in ("alpha", "beta", "gamma"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.memory_budget is not None and not 0 < self.memory_budget <= 1.5:
             raise ValueError(f"memory_budget is a fraction of the FP16 KV bytes in (0, 1.5], got {self.memory_budget}")
-        if self.max_ppl_increase is not None and self.max_ppl_increase < 0:
-            raise ValueError(f"max_ppl_increase is a percentage >= 0, got {self.max_ppl_increase}")
+        if self.max_ppl_increase is not None and not (math.isfinite(self.max_ppl_increase) and self.max_ppl_increase >= 0):
+            raise ValueError(f"max_ppl_increase is a finite percentage >= 0, got {self.max_ppl_increase}")
 
     def score(self, memory: float, latency: float, kl: float) -> float:
         return self.alpha * memory + self.beta * latency + self.gamma * penalty(kl)

@@ -695,6 +695,31 @@ def token_stream(
     return torch.tensor(ids[:n_tokens], dtype=torch.long)
 
 
+def read_text_file(path: str | os.PathLike[str]) -> str:
+    """The text of a UTF-8 file, checked before any model is loaded.
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for a directory, a file that is not
+    UTF-8, one with NUL bytes (binary data, or UTF-16), or one with no text.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"text file not found: {p}")
+    if not p.is_file():
+        raise ValueError(f"not a regular file: {p}")
+    data = p.read_bytes()
+    if b"\x00" in data:
+        raise ValueError(f"{p} contains NUL bytes (offset {data.index(bytes(1))}): binary data or UTF-16, not UTF-8 text")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{p} is not UTF-8 text (invalid byte at offset {exc.start}); re-encode it as UTF-8"
+        ) from None
+    if not text.strip():
+        raise ValueError(f"text file is empty: {p}")
+    return text
+
+
 def load_text_file(
     path: str | os.PathLike[str],
     tokenizer: Any,
@@ -704,25 +729,11 @@ def load_text_file(
 ) -> torch.Tensor:
     """Tokenize a UTF-8 text file into a 1-D LongTensor of at most ``n_tokens`` tokens.
 
-    BOS handling as in :func:`token_stream`. A shorter file gives a shorter tensor.
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for a directory,
-    a file that is not UTF-8, or a file with no text.
+    BOS handling as in :func:`token_stream`. A shorter file gives a shorter tensor. The file is checked by
+    :func:`read_text_file`.
     """
     _check_positive("n_tokens", n_tokens)
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"text file not found: {p}")
-    if not p.is_file():
-        raise ValueError(f"not a regular file: {p}")
-    data = p.read_bytes()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"{p} is not UTF-8 text (invalid byte at offset {exc.start}); re-encode it as UTF-8"
-        ) from None
-    if not text.strip():
-        raise ValueError(f"text file is empty: {p}")
+    text = read_text_file(path)
     bos = _resolve_bos(tokenizer, add_bos)
     ids = _encode_prefix(tokenizer, text, n_tokens)
     if bos is not None and (not ids or ids[0] != bos):

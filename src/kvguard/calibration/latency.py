@@ -1,17 +1,19 @@
-"""The decode-time cost model behind the score's Latency term.
+"""The decode-time cost model behind the score's Latency term: bytes read per decode step, counted, not timed.
 
-One decode step per tier (an all-FP16, all-INT8, ... cache) is timed at ``context`` tokens and the ratio to
-FP16 kept, rounded to 0.05 so that timing noise does not change which plan a rerun picks. A plan's latency is
-its layers' tier ratios weighted by each layer's share of the FP16 KV bytes.
+A decode step of a small model on a CPU or GPU is bound by memory traffic: it reads every weight once and the
+whole KV cache once. So the cost of an all-``tier`` cache is ``(weight bytes + KV bytes of the tier at
+context tokens) / (weight bytes + FP16 KV bytes)``. It is counted from shapes alone, so the same settings give
+the same ratios, and the same plan, on an idle or a loaded machine (a wall-clock measurement moved the INT4 /
+FP16 ratio between 0.75 and 3.25 under load and flipped the chosen plan). What it leaves out, the
+dequantization arithmetic, costs time on a CPU that no byte count sees: ``kvguard eval --task speed`` measures
+the real decode speed of a plan.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from kvguard.architecture import Architecture
 from kvguard.config import CacheConfig
@@ -19,15 +21,24 @@ from kvguard.plan import Plan
 from kvguard.precision import Precision
 
 TIERS = (Precision.FP16, Precision.INT8, Precision.INT4, Precision.INT2)
+FP16_BYTES = 2  # weights as an engine serves them
 
 
 @dataclass(frozen=True)
 class LatencyModel:
-    """Decode-step time of an all-``precision`` cache over an FP16 cache, measured at ``context`` tokens and
-    rounded to 0.05 (so that timing noise does not change which plan a rerun picks)."""
+    """Bytes read per decode step with an all-``precision`` cache over those with an FP16 cache, at
+    ``context`` tokens.
+
+    Attributes:
+        ratios: per tier, the ratio above.
+        context: the context length the KV bytes are counted at.
+        step_bytes: per tier, the bytes one decode step reads (weights + KV cache); empty in profiles written
+            before the latency model was counted (those timed one step, ``step_ms``, which is kept as written).
+    """
 
     ratios: dict[str, float]
     context: int
+    step_bytes: dict[str, int] = field(default_factory=dict)
     step_ms: dict[str, float] = field(default_factory=dict)
 
     def plan_latency(self, plan: Plan, weights: torch.Tensor) -> float:
@@ -38,31 +49,26 @@ class LatencyModel:
         return total
 
     def to_dict(self) -> dict:
-        return {"ratios": self.ratios, "context": self.context, "step_ms": self.step_ms}
+        out = {"ratios": self.ratios, "context": self.context, "step_bytes": self.step_bytes, "method": "bytes read"}
+        if self.step_ms:
+            out["step_ms"] = self.step_ms
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "LatencyModel":
-        return cls(dict(data["ratios"]), int(data["context"]), dict(data.get("step_ms", {})))
+        return cls(dict(data["ratios"]), int(data["context"]), {k: int(v) for k, v in data.get("step_bytes", {}).items()},
+                   dict(data.get("step_ms", {})))
 
 
-@torch.no_grad()
-def measure_latency(model, cache_config: CacheConfig, *, context: int = 1024, steps: int = 16,
-                    progress: bool = True) -> LatencyModel:
-    """Time ``steps`` single-token decode steps after a ``context``-token prefill, for each tier."""
+def count_latency(model, cache_config: CacheConfig, *, context: int = 1024) -> LatencyModel:
+    """The bytes one decode step reads after ``context`` tokens, per tier, and their ratios to FP16."""
+    from kvguard.evaluation.methods import static_kv_bytes
+
     arch = Architecture.from_config(model.config)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=g).to(model.device)
-    step_ms = {}
-    for tier in tqdm(TIERS, desc="latency", unit="tier", disable=not progress):
-        cache = Plan.uniform(arch, tier, cache_config).make_cache(model.config)
-        out = model(input_ids=prompt, cache=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            out = model(input_ids=token, cache=cache, use_cache=True)
-            times.append(time.perf_counter() - t0)
-            token = out.logits[:, -1:].argmax(-1)
-        step_ms[tier.value] = 1000 * sorted(times)[len(times) // 2]
-    ratios = {t: round(20 * ms / step_ms["fp16"]) / 20 for t, ms in step_ms.items()}
-    return LatencyModel(ratios, context, step_ms)
+    weight_bytes = FP16_BYTES * sum(p.numel() for p in model.parameters())  # tied weights counted once
+    step_bytes = {}
+    for tier in TIERS:
+        kv, _ = static_kv_bytes(Plan.uniform(arch, tier, cache_config), model.config, context)
+        step_bytes[tier.value] = weight_bytes + kv
+    ratios = {t: b / step_bytes["fp16"] for t, b in step_bytes.items()}
+    return LatencyModel(ratios, context, step_bytes)

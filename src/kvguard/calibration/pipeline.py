@@ -3,7 +3,7 @@
 Stages (each checkpointed in ``<out>.partial/`` so ``--resume`` continues after the last finished one):
 
 1. ``statistics`` — K/V statistics per batch and the attention-entropy baseline over the calibration samples;
-2. ``latency`` — the decode-time cost model (one measured step time per tier);
+2. ``latency`` — the decode-time cost model (bytes read per decode step, per tier: counted, not timed);
 3. ``level1`` — global precision x cache layout;
 4. ``sensitivity`` — per layer, then per KV head for the most sensitive layers;
 5. ``level2`` — per-layer / per-head tiers allocated from the sensitivity;
@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -32,8 +33,9 @@ from kvguard.calibration.checkpoints import Checkpoints
 from kvguard.calibration.distributed import RayConfig, open_executor, require_ray
 from kvguard.calibration.heldout import HeldOut
 from kvguard.calibration.kv_statistics import KVStatistics, batches_by_length, merge
-from kvguard.calibration.latency import LatencyModel, measure_latency
+from kvguard.calibration.latency import LatencyModel, count_latency
 from kvguard.calibration.monitor_fit import fit_monitor
+from kvguard.calibration.output import check_out, locked
 from kvguard.calibration.samples import CalibrationText, calibration_text
 from kvguard.calibration.search import LAYOUTS, Searcher, best, level2_targets, pareto_front
 from kvguard.calibration.settings import RECOMMENDED_SAMPLES, CalibrationConfig
@@ -115,11 +117,10 @@ class _Run:
 
     def latency(self) -> LatencyModel:
         def run():
-            return measure_latency(self.model, LAYOUTS["window-64"], context=self.cfg.latency_context,
-                                   progress=self.progress).to_dict(), None
+            return count_latency(self.model, LAYOUTS["window-64"], context=self.cfg.latency_context).to_dict(), None
 
         latency = LatencyModel.from_dict(self.stage("latency", run)[0])
-        _log(f"latency model (decode step / FP16 at {latency.context} tokens): "
+        _log(f"latency model (bytes read per decode step / FP16 at {latency.context} tokens): "
              + ", ".join(f"{t} {r:.2f}" for t, r in latency.ratios.items()))
         return latency
 
@@ -180,6 +181,12 @@ def calibrate(cfg: CalibrationConfig, *, resume: bool = False, progress: bool = 
     (:mod:`kvguard.calibration.distributed`) instead of in this process; the profile is the same bit for bit."""
     if ray is not None:
         require_ray()  # fail before minutes of loading, not after
+    check_out(cfg.out)
+    with locked(cfg.out):
+        return _calibrate(cfg, resume, progress, ray)
+
+
+def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayConfig | None) -> Profile:
     if cfg.samples < RECOMMENDED_SAMPLES:
         _log(f"warning: {cfg.samples} samples is below the {RECOMMENDED_SAMPLES} recommended; statistics and the "
              f"entropy baseline will be noisier (use --samples {RECOMMENDED_SAMPLES} for a production profile)")
@@ -236,6 +243,11 @@ def _meta(run: _Run, chosen: Candidate, log: list[Candidate], latency: LatencyMo
 def refit_monitor(out: str | os.PathLike, *, progress: bool = True) -> Profile:
     """Calibrate only the run-time monitor (stage ``monitor``) of the existing profile at ``out``, on the same
     held-out slice, and rewrite the profile atomically; the plan, statistics and search are kept."""
+    with locked(Path(out)):
+        return _refit_monitor(Path(out), progress)
+
+
+def _refit_monitor(out: Path, progress: bool) -> Profile:
     from dataclasses import replace
 
     from kvguard import models

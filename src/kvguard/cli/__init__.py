@@ -29,11 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """What a command may raise for bad input: shown as one line, not a traceback."""
+    """What a command may raise for bad input: shown as one line, not a traceback. ``OSError``: a file that
+    cannot be read or written (output paths are checked before the work, but a disk can still fill up; what
+    was computed is printed before the final write)."""
     from kvguard.calibration.distributed import RayUnavailableError
     from kvguard.data import CorpusNotInstalledError
 
-    return (ValueError, RayUnavailableError, CorpusNotInstalledError)
+    return (ValueError, OSError, RayUnavailableError, CorpusNotInstalledError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvguard.cli.common import CommandError, add_model, csv, default
+from kvguard.cli.common import CommandError, add_model, csv, default, finite, writable_dir
 from kvguard.config import Objective
 
 
@@ -57,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.calibration.distributed import RayConfig
     from kvguard.calibration.pipeline import CalibrationConfig, calibrate, refit_monitor
 
+    writable_dir("--out", args.out)
     if args.monitor_only:
         refit_monitor(args.out)
         return 0
-    objective = Objective(args.alpha, args.beta, args.gamma, args.max_ppl_increase,
-                          None if args.memory_budget <= 0 else args.memory_budget)
+    objective = _objective(args)
     cfg = CalibrationConfig(args.model, args.out, args.samples, tuple(csv(args.domains)), args.max_tokens,
                             args.batch_size, args.heldout_tokens, args.context, args.head_layers,
                             seed=args.seed, objective=objective)
@@ -70,3 +70,14 @@ def run(args: argparse.Namespace) -> int:
     ray = None if args.ray is None else RayConfig(args.ray, args.ray_workers, args.ray_threads)
     calibrate(cfg, resume=args.resume, ray=ray)
     return 0
+
+
+def _objective(args: argparse.Namespace) -> Objective:
+    """The objective flags, each checked by name (``--memory-budget 0`` is the documented "no budget")."""
+    for flag in ("alpha", "beta", "gamma", "max_ppl_increase", "memory_budget"):
+        finite("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.memory_budget > 1.5:
+        raise CommandError(f"--memory-budget is a fraction of the FP16 KV bytes in (0, 1.5] (0 for none), got "
+                           f"{args.memory_budget}")
+    return Objective(args.alpha, args.beta, args.gamma, args.max_ppl_increase,
+                     None if args.memory_budget == 0 else args.memory_budget)

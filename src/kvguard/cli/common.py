@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
+import tempfile
+from pathlib import Path
 
 from kvguard.models import DEFAULT_MODEL
 
@@ -33,6 +37,57 @@ def csv(text: str, kind=str) -> list:
         return [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError as err:
         raise CommandError(f"cannot read {text!r} as a comma-separated list: {err}") from None
+
+
+def positive(flag: str, value: int) -> int:
+    """``value`` if it is >= 1, else a :class:`CommandError` naming ``flag``."""
+    if value < 1:
+        raise CommandError(f"{flag} must be a positive integer, got {value}")
+    return value
+
+
+def finite(flag: str, value: float | None, *, low: float = 0.0) -> float | None:
+    """``value`` if it is a finite number >= ``low`` (or None), else a :class:`CommandError` naming ``flag``."""
+    if value is not None and not (math.isfinite(value) and value >= low):
+        raise CommandError(f"{flag} must be a finite number >= {low:g}, got {value}")
+    return value
+
+
+def writable_file(flag: str, path: str | None) -> None:
+    """Refuse, before any work, an output file that could not be written at the end: a directory, or a place
+    whose nearest existing folder is not a writable directory."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise CommandError(f"{flag} {path} is a directory; give a file name")
+    _writable_parent(flag, path, target)
+
+
+def writable_dir(flag: str, path: str | None) -> None:
+    """Refuse, before any work, an output directory that is an existing file or could not be created."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise CommandError(f"{flag} {path} exists and is not a directory")
+    _writable_parent(flag, path, target)
+
+
+def _writable_parent(flag: str, path: str, target: Path) -> None:
+    # Outputs are written through a temporary sibling, so the parent (created if missing) must take a new file.
+    parent = target.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CommandError(f"{flag} {path}: {parent} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as err:
+        raise CommandError(f"{flag} {path}: cannot write in {parent}: {err.strerror or err}") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CommandError(f"{flag} {path}: cannot write in {parent}: permission denied")
 
 
 def fmt_bytes(n: float) -> str:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvguard.cli.common import CommandError, add_model, csv
+from kvguard.cli.common import CommandError, add_model, csv, positive, writable_file
 
+# The first 4 and the last 64 tokens stay in full precision and tokens are quantized in groups of 32: below
+# about 100 tokens nothing is quantized and every method scores exactly like fp16; 128 leaves at least one group.
+MIN_TOKENS = 128
 DEFAULT_METHODS = "fp16,int8,int4,int2,kivi-4,kivi-2,hf-quanto-4,hf-quanto-2,hf-hqq-4"
 
 
@@ -37,11 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.cli.common import load_profile
     from kvguard.evaluation import methods
 
-    names = csv(args.methods)
-    if args.profile and "kvguard" not in names:
-        names.append("kvguard")
-    if args.windows < 1:
-        raise CommandError(f"--windows must be >= 1, got {args.windows}")
+    names = _check_args(args)
     profile = load_profile(args.profile) if args.profile else None
     for name in names:
         methods.get(name, profile)  # unknown names and missing profiles fail before any model is loaded
@@ -49,12 +48,43 @@ def run(args: argparse.Namespace) -> int:
         return _speed(args, names)
     from kvguard import models
 
+    # The text first (seconds, with the tokenizer alone): a file or corpus too short fails before the weights load.
+    streams = _streams(args, models.load_tokenizer(args.model)) if args.task == "ppl" else None
     model, tok = models.load(args.model)
     if profile is not None:
         profile.check_model(model)
     if args.task == "passkey":
         return _passkey(args, model, tok, names, profile)
-    return _perplexity(args, model, tok, names, profile)
+    return _perplexity(args, model, streams, names, profile)
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    """Every check that needs no model, so that bad input fails in a second, not after loading one; the
+    method names."""
+    from kvguard import data
+
+    names = csv(args.methods)
+    if not names:
+        raise CommandError(f"--methods is empty; give at least one, e.g. --methods fp16,int4 (default: {DEFAULT_METHODS})")
+    if args.profile and "kvguard" not in names:
+        names.append("kvguard")
+    for flag in ("tokens", "windows", "chunk", "trials", "new_tokens"):
+        positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.task == "ppl" and args.tokens < MIN_TOKENS:
+        raise CommandError(f"--tokens {args.tokens} is too few: at least {MIN_TOKENS} tokens are needed (with fewer, the "
+                           f"cache keeps them all in full precision and every method scores like fp16)")
+    corpora = csv(args.corpus)
+    bad = [c for c in corpora if c not in data.CORPORA]
+    if bad or not corpora:
+        raise CommandError(f"--corpus: unknown corpus {', '.join(bad) or repr(args.corpus)}; valid corpora: "
+                           f"{', '.join(data.CORPORA)}")
+    if args.text_file:
+        try:
+            data.read_text_file(args.text_file)
+        except (OSError, ValueError) as err:
+            raise CommandError(f"--text-file: {err}") from None
+    writable_file("--json", args.json)
+    return names
 
 
 def _speed(args, names: list[str]) -> int:
@@ -83,15 +113,23 @@ def _passkey(args, model, tok, names: list[str], profile) -> int:
     return 0
 
 
-def _perplexity(args, model, tok, names: list[str], profile) -> int:
+def _streams(args, tok) -> dict[str, list]:
+    """Per corpus (or the text file), the token windows to score."""
     from kvguard import data
-    from kvguard.evaluation import harness
 
     if args.text_file:
-        streams = {os.path.basename(args.text_file): [data.load_text_file(args.text_file, tok, args.tokens)]}
-    else:
-        streams = {c: _windows(data.token_stream(c, "eval", tok, args.tokens * args.windows), args.tokens, tok)
-                   for c in csv(args.corpus)}
+        ids = data.load_text_file(args.text_file, tok, args.tokens)
+        if ids.numel() < MIN_TOKENS:
+            raise CommandError(f"--text-file {args.text_file} has {ids.numel()} tokens; at least {MIN_TOKENS} are "
+                               f"needed (with fewer, the cache keeps them all in full precision)")
+        return {os.path.basename(args.text_file): [ids]}
+    return {c: _windows(data.token_stream(c, "eval", tok, args.tokens * args.windows), args.tokens, tok)
+            for c in csv(args.corpus)}
+
+
+def _perplexity(args, model, streams: dict[str, list], names: list[str], profile) -> int:
+    from kvguard.evaluation import harness
+
     rows = []
     for corpus, windows in streams.items():
         per_window = [harness.evaluate_stream(model, ids, corpus, names, chunk=args.chunk, simulate=args.simulate,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
+
+from kvguard.cli.common import CommandError, writable_dir
 
 
 def add_parser(sub) -> None:
@@ -23,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.serving import export
 
     spec = export.ExportSpec(args.format, args.granularity)
+    if _same_or_inside(args.out, args.profile) or _same_or_inside(args.profile, args.out):
+        raise CommandError(f"--out {args.out} and --profile {args.profile} overlap: the export would replace the "
+                           f"profile it reads; choose another --out")
+    writable_dir("--out", args.out)
     profile = load_profile(args.profile)
     manifest = export.export(profile, spec, args.out, force=args.force)
     model = manifest["model"]
@@ -35,3 +42,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"what it will do, on CPU: kvguard eval --model {model['name']} --profile {args.profile} "
           f"--methods fp16,kvguard,{spec.eval_method}")
     return 0
+
+
+def _same_or_inside(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it (links resolved)."""
+    p, f = Path(path).resolve(), Path(folder).resolve()
+    return p == f or f in p.parents

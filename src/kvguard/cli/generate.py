@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvguard.cli.common import CommandError, add_model, fmt_bytes
+from kvguard.cli.common import CommandError, add_model, fmt_bytes, writable_file
 from kvguard.control.sampling import Sampler
 
 
@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise CommandError("--prompt is empty")
     sampler = Sampler(args.temperature, args.top_p, args.seed)
+    writable_file("--events", args.events)
     profile = load_profile(args.profile)
     method = methods.get(methods.LIVE if args.plan == "profile" else f"{methods.LIVE}:{args.plan}", profile)
     model, tok = models.load(args.model)

@@ -14,8 +14,9 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvguard.calibration import report
-    from kvguard.cli.common import load_profile
+    from kvguard.cli.common import load_profile, writable_dir
 
+    writable_dir("--out", args.out)
     page = report.write(load_profile(args.profile), args.out)
     print(f"report written to {page}")
     return 0

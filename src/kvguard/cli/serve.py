@@ -34,9 +34,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvguard.cli.common import writable_file
     from kvguard.serving.app import serve
     from kvguard.serving.settings import ServeConfig
 
+    writable_file("--log-file", args.log_file)
     serve(ServeConfig(args.model, args.profile, args.host, args.port, args.api_key, args.max_concurrency,
                       args.max_queue, args.max_prompt_tokens, args.max_new_tokens, args.torch_threads, args.log_file))
     return 0

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The monitor's window means per layer (control/monitor.py, ``features()``): drop, |drop|, K error, V error.
+NUM_FEATURES = 4
+
 
 @dataclass(frozen=True)
 class RiskClassifier:
