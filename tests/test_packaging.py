@@ -37,8 +37,10 @@ def test_wheel_in_a_fresh_venv_lists_the_embedded_models(tmp_path):
     _run([sys.executable, "-m", "venv", str(venv)])
     py, kvguard = venv / "bin" / "python", venv / "bin" / "kvguard"
     # The pins of requirements.txt as constraints: the same torch (CPU) and transformers as the checkout's.
-    _run([str(py), "-m", "pip", "install", "-q", "-c", str(ROOT / "requirements.txt"), f"{wheel}[models]"])
-    _run([str(kvguard), "install-assets", "--", "-q"])
+    # --no-compile: byte-compiling torch's thousands of modules is most of an install's time, and not under test.
+    _run([str(py), "-m", "pip", "install", "-q", "--no-compile", "-c", str(ROOT / "requirements.txt"),
+          f"{wheel}[models]"])
+    _run([str(kvguard), "install-assets", "--", "-q", "--no-compile"])
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(KVGUARD_HOME=str(home), HF_HUB_OFFLINE="1")
