@@ -125,7 +125,7 @@ def test_prometheus_answers_the_dashboard_queries(prometheus):
     assert _query(port, "kvguard_rollback_level")[0] in (0, 1, 2, 3)
     assert sum(_query(port, "kvguard_request_duration_seconds_count")) == 2
     p50, = _query(port, panels["Request latency"][0])
-    assert 0 < p50 < 128
+    assert 0 < p50 <= 128  # seconds; the top bucket's bound when a loaded machine takes longer
 
 
 def test_status_page_renders_live_numbers_in_chromium(prometheus, tmp_path):
@@ -148,5 +148,5 @@ def test_status_page_renders_live_numbers_in_chromium(prometheus, tmp_path):
 def test_status_page_without_the_key_asks_for_it(server):
     dom, console = render_page(f"http://127.0.0.1:{server}/", wait_ms=3000)
     assert re.search(r'<form id="keyform">', dom)  # shown (no longer hidden)
-    assert "the server needs its API key" in dom
-    assert any("401" in line for line in console)  # the browser's own note of the refused status request
+    assert "the server needs its API key" in dom and 'id="saved">–<' in dom  # no data without the key
+    assert not [line for line in console if "script error" in line or "Uncaught" in line], console

@@ -33,7 +33,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 <h1>kvguard serve <span id="model"></span></h1>
 <p id="updated">waiting for the first status…</p>
 <p id="problem" hidden></p>
-<form id="keyform" hidden>API key: <input id="key" type="password" size="30"> <button>use</button></form>
+<form id="keyform" hidden>API key: <input id="key" type="password" size="30" autocomplete="off"> <button>use</button></form>
 <div class="tiles">
   <div class="tile"><div class="value" id="saved">–</div><div class="label">KV memory saved against FP16
     (<span id="saved-basis">–</span>)</div></div>
