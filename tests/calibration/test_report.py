@@ -109,7 +109,7 @@ def test_report_with_the_loops_timeline_renders_in_chromium(tmp_path, small_prof
     assert records, "the loop over all-INT2 found nothing to do"
     page = report.write(profile, tmp_path / "report", events=events)
     shot = screenshot_dir(tmp_path) / "report.png"
-    dom, console = render_page(page.resolve().as_uri(), screenshot=shot, size="1200,2400")
+    dom, console = render_page(page.resolve().as_uri(), screenshot=shot, size="1200,5600")  # down to the timeline
     assert console == [], console
     assert 'data-figures-loaded="4"' in dom  # sensitivity, frontier, tiers, timeline: all drawn
     assert re.search(r'<p id="page-problems" hidden', dom)
