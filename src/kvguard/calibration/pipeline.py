@@ -24,6 +24,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -64,11 +65,11 @@ def _library_versions() -> dict:
 class _Run:
     """One calibration run: the model, its text, the checkpoints, and the stages in order."""
 
-    def __init__(self, cfg: CalibrationConfig, resume: bool, progress: bool) -> None:
+    def __init__(self, cfg: CalibrationConfig, resume: bool, progress: bool, log=_log) -> None:
         from kvguard import models
         from kvguard.architecture import Architecture
 
-        self.cfg, self.progress = cfg, progress
+        self.cfg, self.progress, self.log = cfg, progress, log
         self.checkpoints = Checkpoints(cfg.out, cfg.key(), resume)
         self.seconds: dict[str, float] = {}
         self.resumed: list[str] = []
@@ -77,12 +78,12 @@ class _Run:
         self.arch = Architecture.from_config(self.model.config)
         self.fingerprint = models.fingerprint(self.model)
         self.seconds["load"] = time.perf_counter() - t0
-        _log(f"model {cfg.model}: {self.arch.num_layers} layers, {self.arch.num_kv_heads} KV heads, head_dim "
+        self.log(f"model {cfg.model}: {self.arch.num_layers} layers, {self.arch.num_kv_heads} KV heads, head_dim "
              f"{self.arch.head_dim}; fingerprint {self.fingerprint[:19]}...")
         self.text: CalibrationText = calibration_text(self.tok, cfg.domains, cfg.samples, cfg.max_tokens,
                                                       cfg.heldout_tokens)
         m = self.text.manifest
-        _log(f"data: {m.samples} samples ({m.tokens} tokens) from {', '.join(cfg.domains)}; held-out slice "
+        self.log(f"data: {m.samples} samples ({m.tokens} tokens) from {', '.join(cfg.domains)}; held-out slice "
              f"{sum(s.numel() for s in self.text.streams.values())} tokens")
 
     def stage(self, name: str, run) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -90,15 +91,15 @@ class _Run:
         done = self.checkpoints.load(name)
         if done is not None:
             self.resumed.append(name)
-            _log(f"stage {name}: resumed from {self.checkpoints.dir}")
+            self.log(f"stage {name}: resumed from {self.checkpoints.dir}")
             self.seconds[name] = done[0].get("seconds", 0.0)
             return done
-        _log(f"stage {name} ...")
+        self.log(f"stage {name} ...")
         t = time.perf_counter()
         meta, tensors = run()
         meta["seconds"] = self.seconds[name] = time.perf_counter() - t
         self.checkpoints.save(name, meta, tensors)
-        _log(f"stage {name}: done in {meta['seconds']:.1f} s")
+        self.log(f"stage {name}: done in {meta['seconds']:.1f} s")
         return meta, tensors
 
     def search_stage(self, name: str, run) -> list[Candidate]:
@@ -120,7 +121,7 @@ class _Run:
             return count_latency(self.model, LAYOUTS["window-64"], context=self.cfg.latency_context).to_dict(), None
 
         latency = LatencyModel.from_dict(self.stage("latency", run)[0])
-        _log(f"latency model (bytes read per decode step / FP16 at {latency.context} tokens): "
+        self.log(f"latency model (bytes read per decode step / FP16 at {latency.context} tokens): "
              + ", ".join(f"{t} {r:.2f}" for t, r in latency.ratios.items()))
         return latency
 
@@ -131,9 +132,8 @@ class _Run:
 
         meta, tensors = self.stage("sensitivity", run)
         sens = Sensitivity.from_parts(meta, tensors)
-        print("\nSensitivity ranking (held-out calibration text; most sensitive first):")
-        print(ranking_table(sens, self.arch.layer_types, limit=12))
-        print(flush=True)
+        self.log("sensitivity ranking (held-out calibration text; most sensitive first):\n"
+                 + ranking_table(sens, self.arch.layer_types, limit=12))
         return sens, tensors
 
     def search(self, searcher: Searcher, heldout: HeldOut, executor) -> tuple[list[Candidate], dict]:
@@ -143,9 +143,9 @@ class _Run:
         layout = l1_best.plan.cache
         int8 = [c for c in level1 if c.plan.layers[0].uniform is Precision.INT8]
         int8_kl = min(c.quality.kl for c in int8 if c.plan.cache == layout)
-        _log("level 1:\n" + "\n".join(f"  {c.name}: memory {c.memory:.3f}, ppl {c.ppl_increase_pct:+.2f} %, "
+        self.log("level 1:\n" + "\n".join(f"  {c.name}: memory {c.memory:.3f}, ppl {c.ppl_increase_pct:+.2f} %, "
                                        f"KL {c.quality.kl:.5f}, score {c.score:.3f}" for c in level1))
-        _log(f"level 1 choice: {l1_best.name}")
+        self.log(f"level 1 choice: {l1_best.name}")
         sens, sens_tensors = self.sensitivity(heldout, layout, executor)
         # Level 2 allocates tiers in the two layouts whose all-INT4 plan scored best.
         int4 = sorted((c for c in level1 if c.plan.layers[0].uniform is Precision.INT4), key=lambda c: (c.score, c.quality.kl))
@@ -168,32 +168,34 @@ class _Run:
                                MonitorConfig(), progress=self.progress), None
 
         fit = self.stage("monitor", run)[0]
-        _log(f"monitor: {len(fit['layers'])} of {self.arch.num_layers} layers monitored (quiet under FP16); held-out "
+        self.log(f"monitor: {len(fit['layers'])} of {self.arch.num_layers} layers monitored (quiet under FP16); held-out "
              "ROC AUC for window KL > 0.01: " + ", ".join(f"{k} {v:.3f}" for k, v in fit["heldout_auc"].items()))
         return fit
 
 
 def calibrate(cfg: CalibrationConfig, *, resume: bool = False, progress: bool = True,
-              ray: RayConfig | None = None) -> Profile:
+              ray: RayConfig | None = None, log: Callable[[str], None] = _log) -> Profile:
     """Run (or resume) the calibration and write the profile to ``cfg.out``.
 
     ``ray``: run the statistics, sensitivity and search stages on Ray workers
-    (:mod:`kvguard.calibration.distributed`) instead of in this process; the profile is the same bit for bit."""
+    (:mod:`kvguard.calibration.distributed`) instead of in this process; the profile is the same bit for bit.
+    ``log``: where the progress lines go (default: stderr); the progress bars stay on stderr."""
     if ray is not None:
         require_ray()  # fail before minutes of loading, not after
     check_out(cfg.out)
     with locked(cfg.out):
-        return _calibrate(cfg, resume, progress, ray)
+        return _calibrate(cfg, resume, progress, ray, log)
 
 
-def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayConfig | None) -> Profile:
+def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayConfig | None,
+               log: Callable[[str], None]) -> Profile:
     if cfg.samples < RECOMMENDED_SAMPLES:
-        _log(f"warning: {cfg.samples} samples is below the {RECOMMENDED_SAMPLES} recommended; statistics and the "
-             f"entropy baseline will be noisier (use --samples {RECOMMENDED_SAMPLES} for a production profile)")
+        log(f"warning: {cfg.samples} samples is below the {RECOMMENDED_SAMPLES} recommended; statistics and the "
+            f"entropy baseline will be noisier (use --samples {RECOMMENDED_SAMPLES} for a production profile)")
     torch.manual_seed(cfg.seed)
-    run = _Run(cfg, resume, progress)
+    run = _Run(cfg, resume, progress, log)
     # Statistics, sensitivity and search run on the executor; the latency and monitor stages in this process.
-    executor = open_executor(cfg.model, run.model, ray, log=_log)
+    executor = open_executor(cfg.model, run.model, ray, log=log)
     try:
         stats_tensors = run.statistics(executor)
         agg = KVStatistics.aggregate_from(stats_tensors)
@@ -202,22 +204,22 @@ def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayCon
         scales = StaticScales(agg["key.absmax"], agg["value.absmax"])
         searcher = Searcher(run.model, heldout, cfg.objective, latency, scales=scales, context=cfg.context,
                             progress=progress, executor=executor)
-        log, sens = run.search(searcher, heldout, executor)
+        search_log, sens = run.search(searcher, heldout, executor)
     finally:
         executor.close()
-    chosen = best(log)
+    chosen = best(search_log)
     fit = run.monitor(heldout, chosen, scales, EntropyBaseline.from_tensors(stats_tensors))
     if not chosen.feasible:
-        _log(f"warning: no candidate met the constraints (memory <= {cfg.objective.memory_budget}, ppl increase <= "
-             f"{cfg.objective.max_ppl_increase} %); keeping the lowest score")
-    _log(f"chosen: {chosen.name}: memory {chosen.memory:.3f} of FP16, ppl increase {chosen.ppl_increase_pct:+.2f} % "
-         f"(worst domain), KL {chosen.quality.kl:.5f}, score {chosen.score:.3f}")
-    _log(f"plan: {chosen.plan.summary()}")
-    meta = _meta(run, chosen, log, latency, sens["sensitivity"], fit)
+        log(f"warning: no candidate met the constraints (memory <= {cfg.objective.memory_budget}, ppl increase <= "
+        f"{cfg.objective.max_ppl_increase} %); keeping the lowest score")
+    log(f"chosen: {chosen.name}: memory {chosen.memory:.3f} of FP16, ppl increase {chosen.ppl_increase_pct:+.2f} % "
+        f"(worst domain), KL {chosen.quality.kl:.5f}, score {chosen.score:.3f}")
+    log(f"plan: {chosen.plan.summary()}")
+    meta = _meta(run, chosen, search_log, latency, sens["sensitivity"], fit)
     profile = Profile(meta, {**stats_tensors, **sens["tensors"], **_calibrated_scales(agg)})
     profile.save(cfg.out)
     run.checkpoints.remove()
-    _log(f"profile written to {cfg.out} ({sum(run.seconds.values()):.0f} s)")
+    log(f"profile written to {cfg.out} ({sum(run.seconds.values()):.0f} s)")
     return profile
 
 

@@ -6,8 +6,10 @@
 - ``pareto.png`` — every searched candidate, memory against perplexity increase, with the Pareto
   frontier, the chosen plan and the objective's limits;
 - ``precision.png`` — the chosen plan's KV heads per tier, layer by layer;
-- ``index.html`` — a summary, the sensitivity ranking, the plots and the search log, linking the PNGs by
-  relative path so the directory can be copied or served as it is.
+- ``timeline.png`` — with ``events=`` (a ``--events`` file of the live loop): rollback level and actions
+  token by token;
+- ``index.html`` — a summary, the sensitivity ranking, the plots, the search log and the loop's timeline,
+  linking the PNGs by relative path so the directory can be copied or served as it is.
 
 matplotlib is optional: it is imported only when a report is written.
 """
@@ -25,7 +27,9 @@ from kvguard.profile import DomainData
 SENSITIVITY_PNG = "sensitivity.png"
 PARETO_PNG = "pareto.png"
 PRECISION_PNG = "precision.png"
+TIMELINE_PNG = "timeline.png"
 INDEX_HTML = "index.html"
+TIMELINE_ROWS = 60     # events listed in the page's table; the plot shows them all
 
 # Fixed so that plots of different profiles compare at a glance: cool = safe, warm = aggressive.
 TIER_COLORS = {"fp16": "#3b5b92", "int8": "#4c9a5f", "int4": "#e6a23c", "int2": "#c8453b"}
@@ -35,19 +39,25 @@ KL_FLOOR = 1e-6        # a log color scale cannot show 0; a KL this small is "no
 RANKING_ROWS = 12
 
 
-def write(profile, out_dir: str | os.PathLike) -> Path:
-    """Write the plots and ``index.html`` for ``profile`` into ``out_dir`` (created); return the page's path."""
+def write(profile, out_dir: str | os.PathLike, events: str | os.PathLike | None = None) -> Path:
+    """Write the plots and ``index.html`` for ``profile`` into ``out_dir`` (created); return the page's path.
+    ``events``: a JSON-lines events file of the live loop (``kvguard generate --events``), shown as a timeline."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401  (fail early, with the hint)
     except ImportError as err:
-        raise ImportError("kvguard report needs matplotlib: pip install matplotlib") from err
+        raise ImportError("kvguard report needs matplotlib: pip install 'kvguard[report]' (or: pip install matplotlib)") from err
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _save(_sensitivity_figure(profile), out / SENSITIVITY_PNG)
     _save(_pareto_figure(profile), out / PARETO_PNG)
     _save(_precision_figure(profile), out / PRECISION_PNG)
+    timeline = ""
+    if events is not None:
+        records = read_events(events)
+        _save(_timeline_figure(records), out / TIMELINE_PNG)
+        timeline = _timeline_html(records, Path(events).name)
     page = out / INDEX_HTML
-    page.write_text(_html(profile), encoding="utf-8")
+    page.write_text(_html(profile, timeline), encoding="utf-8")
     return page
 
 
@@ -227,7 +237,7 @@ def _table(header: list[str] | None, rows: list[list], numeric: set[int] = froze
     return "\n".join(out)
 
 
-def _html(profile) -> str:
+def _html(profile, timeline: str = "") -> str:
     meta = profile.meta
     chosen = meta.chosen
     data = meta.data
@@ -302,8 +312,85 @@ def _html(profile) -> str:
         "<figcaption>Every candidate of the three search levels; the line joins the Pareto frontier, the star "
         "is the chosen plan, dashed lines are the objective's limits.</figcaption></figure>",
         search_table,
-        "<h2>Run time</h2>",
-        timing_table,
-        "</body></html>",
-        "",
+        timeline, "<h2>Run time</h2>", timing_table, _PAGE_CHECKS, "</body></html>", "",
     ])
+
+
+# ----------------------------------------------------------------------------------- the loop's timeline
+def read_events(path: str | os.PathLike) -> list[dict]:
+    """The events of a JSON-lines events file (one :meth:`kvguard.control.events.Event.to_json` per line)."""
+    import json
+
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# Actions drawn on the timeline, by the metrics kind of the action: marker colour and shape.
+ACTION_STYLES = {"light": ("#4c9a5f", "o"), "heavy": ("#e6a23c", "s"), "precision_up": ("#c8453b", "^"),
+                 "precision_down": ("#3b5b92", "v"), "rollback": ("#9467bd", "D"), "rollback_full": ("#222222", "X")}
+
+
+def _timeline_figure(records: list[dict]):
+    """Rollback level after each event (a step line) and the actions as markers, by token."""
+    fig = _figure(7.5, 3.2)
+    ax = fig.add_subplot()
+    if records:
+        tokens = [r["token"] for r in records]
+        ax.step(tokens, [r["level"] for r in records], where="post", color="grey", lw=1, label="rollback level")
+        for kind, (color, marker) in ACTION_STYLES.items():
+            hits = [r for r in records if _kind(r["action"]) == kind]
+            if hits:
+                ax.scatter([r["token"] for r in hits], [r["level"] for r in hits], color=color, marker=marker, s=40,
+                           label=kind, zorder=3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    else:
+        ax.text(0.5, 0.5, "no events: the loop never had to act", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("token (position in the sequence)")
+    ax.set_ylabel("rollback level")
+    ax.set_ylim(-0.3, 4.3)
+    ax.set_title(f"the live loop: {len(records)} events", fontsize=10)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def _kind(action: str) -> str:
+    """The metrics kind of an action's value (rollbacks share one)."""
+    from kvguard.control.policy import Action
+
+    return Action(action).kind
+
+
+def _timeline_html(records: list[dict], source: str) -> str:
+    from kvguard.control.events import describe
+
+    levels = [r["level"] for r in records]
+    recomputed = sum(r.get("positions", 0) for r in records)
+    intro = (f"<p>{len(records)} events from <code>{_e(source)}</code>; {recomputed} positions recomputed; "
+             f"highest rollback level {max(levels, default=0)}.</p>")
+    rows = [[r["token"], r["alarm"], r["action"], r["level"], r.get("positions", 0), describe(r)]
+            for r in records[:TIMELINE_ROWS]]
+    more = (f"<p>… and {len(records) - TIMELINE_ROWS} more in the events file.</p>"
+            if len(records) > TIMELINE_ROWS else "")
+    return "\n".join([
+        '<h2 id="timeline">The live loop</h2>', intro,
+        f'<figure><img src="{TIMELINE_PNG}" alt="rollback level and actions by token">'
+        "<figcaption>What the feedback loop did while decoding: each marker is an action at that token, the line "
+        "the rollback level after it.</figcaption></figure>",
+        _table(["token", "alarm", "action", "level", "positions", "what happened"], rows, numeric={0, 3, 4}) if rows
+        else "<p>The loop never had to act: every monitored layer stayed near its calibrated entropy.</p>",
+        more])
+
+
+# A reader who copied index.html without its PNGs (or a broken page) should see it said on the page, not guess.
+_PAGE_CHECKS = """<p id="page-problems" hidden></p>
+<script>
+(function () {
+  var note = document.getElementById("page-problems");
+  function say(text) { note.hidden = false; note.textContent += text + " "; }
+  window.addEventListener("error", function (e) { say("script error: " + e.message); });
+  window.addEventListener("load", function () {
+    var missing = Array.prototype.filter.call(document.images, function (i) { return !i.naturalWidth; });
+    if (missing.length) say(missing.length + " figure(s) did not load: keep the PNGs next to index.html.");
+    document.body.dataset.figuresLoaded = String(document.images.length - missing.length);
+  });
+})();
+</script>"""

@@ -9,6 +9,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("report", help="plots and an HTML page for a calibration profile")
     p.add_argument("--profile", required=True, help="profile directory (from `kvguard calibrate`)")
     p.add_argument("--out", required=True, help="directory for the PNG plots and index.html")
+    p.add_argument("--events", help="events file of the live loop (kvguard generate --events): adds its timeline")
     p.set_defaults(func=run)
 
 
@@ -17,6 +18,6 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.cli.common import load_profile, writable_dir
 
     writable_dir("--out", args.out)
-    page = report.write(load_profile(args.profile), args.out)
+    page = report.write(load_profile(args.profile), args.out, events=args.events)
     print(f"report written to {page}")
     return 0

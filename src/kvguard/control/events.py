@@ -98,3 +98,35 @@ class Counters:
 
     def actions_json(self) -> dict[str, int]:
         return {a.value: n for a, n in self.actions.items()}
+
+
+def describe(record: dict) -> str:
+    """One event (an :meth:`Event.to_json` line) as a line a person reads: what the loop saw and what it did.
+
+    Works on the JSON form so that a report can tell the timeline of an ``--events`` file without the session."""
+    action = record["action"]
+    layers = record.get("layers") or []
+    where = f" on layer{'s' if len(layers) > 1 else ''} {layer_ranges(layers)}" if layers else ""
+    text = f"token {record['token']:>5}  {record['alarm']:<12} -> {action}{where}"
+    if record.get("positions"):
+        text += f": {record['positions']} positions recomputed ({record.get('ms', 0):.0f} ms)"
+    if record.get("precision"):
+        tiers = sorted(set(record["precision"]))
+        text += f": now {'/'.join(tiers)}"
+    previous = record.get("previous_level")
+    if previous is not None and previous != record["level"]:
+        text += f"; rollback level {previous} -> {record['level']}"
+    if record.get("trigger_rate") is not None:
+        text += f"; trigger rate {100 * record['trigger_rate']:.1f} %"
+    return text
+
+
+def layer_ranges(values: list[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
+    out: list[tuple[int, int]] = []
+    for v in sorted(set(values)):
+        if out and out[-1][1] == v - 1:
+            out[-1] = (out[-1][0], v)
+        else:
+            out.append((v, v))
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)

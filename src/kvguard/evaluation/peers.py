@@ -116,7 +116,7 @@ def make_cache(name: str, model):
     module, package = _BACKEND_MODULES[spec.backend]
     if not _has_module(module):
         raise PeerUnsupported(f"peer {spec.name!r} needs the {spec.backend} backend ({module}), which is not "
-                              f"installed: pip install {package}")
+                              f"installed: pip install 'kvguard[peers]' (or: pip install {package})")
     config = getattr(model, "config", model)
     from transformers import QuantizedCache
 

@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from kvguard.serving.engine import Engine, Job
 from kvguard.serving.settings import ServeConfig
+from kvguard.serving.status_page import status_page
 from kvguard.serving.protocol import MAX_BODY_BYTES, RequestError
 
 COMPLETIONS, CHAT = "completions", "chat.completions"
@@ -38,13 +39,13 @@ def _error(err: RequestError) -> JSONResponse:
 
 
 class BearerAuth:
-    """Bearer-key check on every route but /healthz (pure ASGI: streaming passes through untouched)."""
+    """Bearer-key check on every route but /healthz and / (pure ASGI: streaming passes through untouched)."""
 
     def __init__(self, app, api_key: str | None) -> None:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.api_key is not None and scope["path"] != "/healthz":
+        if scope["type"] == "http" and self.api_key is not None and scope["path"] not in ("/healthz", "/"):
             given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if given != f"Bearer {self.api_key}":
                 what = "no API key was sent" if not given else "the API key is wrong"
@@ -248,6 +249,7 @@ async def bad_method(request: Request, exc):
 
 
 ROUTES = [
+    Route("/", status_page, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ from kvguard.control.events import Event
 from kvguard.serving.metrics import Metrics
 from kvguard.serving.protocol import GenerationRequest, Limits, RequestError, RequestParser, TextStream
 from kvguard.serving.settings import ServeConfig
+
+RECENT_EVENTS = 20  # compensation events GET /v1/kvguard/status returns (the newest last)
+
 
 @dataclass
 class Job:
@@ -78,6 +82,8 @@ class Engine:
         self.started = time.time()
         self.totals = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0}
         self.last_summary: dict | None = None
+        # The status page lists these; the log and the metrics keep the full history.
+        self.recent_events: deque[dict] = deque(maxlen=RECENT_EVENTS)
 
     # ------------------------------------------------------------------ admission
     def admit(self, request: GenerationRequest, loop) -> Job:
@@ -168,7 +174,9 @@ class Engine:
 
     def _on_event(self, job: Job, event: Event) -> None:
         self.metrics.event(event)
-        self.log({"event": "compensation", "request": job.id, **event.to_json()})
+        record = {"request": job.id, **event.to_json()}
+        self.recent_events.append(record)
+        self.log({"event": "compensation", **record})
 
     def _publish_live(self) -> None:
         snaps = [j.snapshot for j in list(self.jobs.values()) if j.snapshot]
@@ -213,12 +221,14 @@ class Engine:
             "active": [{"id": i, **s} for i, s in jobs],
             "rollback_level": max((s["level"] for _, s in jobs), default=0),
             "trigger_rate": m.rate,
+            "max_trigger_rate": m.max_trigger_rate,
             "recalibration_recommended": m.recalibration_recommended,
             "kv_bytes": stored,
             "kv_bytes_fp16": fp16,
             "last_request": self.last_summary and {k: self.last_summary[k] for k in
                                                    ("tokens", "kv_bytes", "kv_bytes_fp16", "memory_saved",
                                                     "trigger_rate", "level", "max_level", "precisions")},
+            "recent_events": list(self.recent_events),
             "torch_threads": self.torch_threads,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
