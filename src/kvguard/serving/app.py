@@ -49,6 +49,8 @@ class BearerAuth:
             given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if given != f"Bearer {self.api_key}":
                 what = "no API key was sent" if not given else "the API key is wrong"
+                if not given and scope.get("query_string"):
+                    what += " (a key in the query string is not read: URLs end up in logs)"
                 response = _error(RequestError(401, f"{what}: send 'Authorization: Bearer <key>'",
                                                kind="authentication_error", code="invalid_api_key"))
                 await response(scope, receive, send)
