@@ -21,7 +21,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -69,10 +69,13 @@ async def _read_body(request: Request):
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise _too_large(f"{size} bytes")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise _too_large(f"over {MAX_BODY_BYTES} bytes (chunked)")
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise _too_large(f"over {MAX_BODY_BYTES} bytes (chunked)")
+    except ClientDisconnect:
+        raise RequestError(499, "the client disconnected before sending the whole body") from None
     return parse_json(bytes(raw))
 
 
@@ -128,8 +131,9 @@ async def _generate(request: Request, endpoint: str):
     except RequestError as err:
         return _refuse(engine, endpoint, err)
     except Exception as err:  # noqa: BLE001 - a request validation did not foresee: still counted, logged, OpenAI's body
-        return _refuse(engine, endpoint, RequestError(500, f"internal error reading the request: "
-                                                           f"{type(err).__name__}: {err}", kind="server_error"))
+        what = " ".join(f"{type(err).__name__}: {err}".split())
+        return _refuse(engine, endpoint, RequestError(500, f"internal error reading the request: {what}",
+                                                      kind="server_error"))
     if r.stream:
         return StreamingResponse(_stream(engine, job, endpoint), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -6,7 +6,8 @@ Requests run on a bounded pool of worker threads (``max_concurrency``; torch rel
 behind a bounded wait queue (``max_queue``): a request that finds both full is refused at once (429). A client
 that disconnects sets the job's cancel flag; the worker stops at its next token and its cache is freed. The
 model's attention runs through kvguard's harness (:mod:`kvguard.attention`); each worker thread's session
-reaches it through a context variable, so sessions never see each other's state.
+reaches it through a context variable, so sessions never see each other's state. Before any request, the engine
+decodes a few tokens through one session of the profile: a profile that loads but cannot serve is refused at start.
 """
 
 from __future__ import annotations
