@@ -2,14 +2,17 @@
 loopback port, driven by the official ``openai`` client and by raw HTTP for the error paths."""
 
 import http.client
+import io
 import json
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -22,6 +25,8 @@ pytestmark = pytest.mark.slow
 KEY = "test-key"
 MAX_NEW = 64
 WORKERS = 2
+QUEUE = 4
+RSS_SLACK = 64 << 20  # allocator noise after warm-up; ten leaked caches of 150-token prompts would exceed it
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
@@ -31,15 +36,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Server(NamedTuple):
+    port: int
+    log: Path  # the server's JSON log lines
+    proc: subprocess.Popen
+
+
 @pytest.fixture(scope="module")
 def server(small_profile_dir, tmp_path_factory):
-    """(port, log path): two workers and one waiting slot, so three requests fill it. The server uses as many
-    torch threads as this process, so its greedy decoding can be compared with an in-process one."""
+    """Two workers and a queue of four, so six requests fill it. The server uses as many torch threads as this
+    process, so its greedy decoding can be compared with an in-process one."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "requests.jsonl"
     cmd = [sys.executable, "-m", "kvguard", "serve", "--profile", str(small_profile_dir), "--port", str(port),
-           "--api-key", KEY, "--max-concurrency", str(WORKERS), "--max-queue", "1", "--max-prompt-tokens", "200",
-           "--max-new-tokens", str(MAX_NEW), "--log-file", str(log), "--torch-threads", str(torch.get_num_threads())]
+           "--api-key", KEY, "--max-concurrency", str(WORKERS), "--max-queue", str(QUEUE), "--max-prompt-tokens",
+           "200", "--max-new-tokens", str(MAX_NEW), "--log-file", str(log), "--torch-threads", str(torch.get_num_threads())]
     # The server runs the kvguard this process imports (not whichever one the interpreter has installed).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=kvguard_env(HF_HUB_OFFLINE="1"))
     deadline = time.time() + 180
@@ -54,7 +65,8 @@ def server(small_profile_dir, tmp_path_factory):
     else:
         proc.kill()
         pytest.fail("kvguard serve did not come up in 180 s")
-    yield port, log
+    yield Server(port, log, proc)
+    assert proc.poll() is None, "kvguard serve died while the tests ran"
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -99,7 +111,7 @@ def test_openai_client_completions_chat_and_streaming(server, smollm2, small_pro
     from kvguard.control.session import LiveSession
     from kvguard.profile import Profile
 
-    port, log = server
+    port, log, _ = server
     client = _client(port)
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
 
@@ -142,7 +154,7 @@ def test_openai_client_completions_chat_and_streaming(server, smollm2, small_pro
 
 
 def test_bad_requests_get_clear_4xx(server, smollm2):
-    port, _ = server
+    port, _, _ = server
     status, body, _ = _request(port, "POST", "/v1/completions", raw="{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body, _ = _request(port, "POST", "/v1/completions", {"prompt": _prose(smollm2[1], 300), "max_tokens": 4})
@@ -168,7 +180,7 @@ def test_bad_requests_get_clear_4xx(server, smollm2):
 
 
 def test_concurrent_requests_decode_as_they_do_alone(server):
-    port, _ = server
+    port, _, _ = server
     client = _client(port)
     prompts = ["The Roman Empire", "def fibonacci(n):", "Once upon a time"]
 
@@ -204,9 +216,9 @@ def _wait_idle(port, seconds=60):
 
 
 def test_full_queue_answers_429_and_a_disconnect_frees_the_request(server):
-    port, log = server
+    port, log, _ = server
     _wait_idle(port)
-    streams = [_open_stream(port, MAX_NEW) for _ in range(WORKERS + 1)]  # every worker busy, the queue full
+    streams = [_open_stream(port, MAX_NEW) for _ in range(WORKERS + QUEUE)]  # every worker busy, the queue full
     status, body, resp = _request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 429 and body["error"]["code"] == "server_busy" and resp.getheader("Retry-After") == "1"
     for conn in streams:
@@ -214,7 +226,7 @@ def test_full_queue_answers_429_and_a_disconnect_frees_the_request(server):
     idle = _wait_idle(port)
     assert idle["active"] == [] and idle["kv_bytes"] == 0
     cancelled = [r for r in _log(log) if r["event"] == "request" and r["status"] == "cancelled"]
-    assert len(cancelled) == WORKERS + 1 and all(r["completion_tokens"] < MAX_NEW for r in cancelled)
+    assert len(cancelled) == WORKERS + QUEUE and all(r["completion_tokens"] < MAX_NEW for r in cancelled)
     # Capacity is back.
     assert _request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
 
@@ -233,7 +245,7 @@ def _value(family, **labels) -> float:
 
 
 def test_metrics_status_and_dashboard(server, smollm2):
-    port, log = server
+    port, log, _ = server
     _wait_idle(port)
     before = _families(port)
     # A prompt long enough that tokens leave the full-precision window and the monitor runs.
@@ -307,3 +319,284 @@ def test_sampling_greedy_and_nucleus():
     for bad, message in ((dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(seed=2 ** 64), "seed")):
         with pytest.raises(ValueError, match=message):
             Sampler(**bad)
+
+
+# ---------------------------------------------------------------------- a careless or hostile client
+def _raw(port, data: bytes, *, timeout: float = 60) -> tuple[int, object]:
+    """Send ``data`` as it is on a fresh socket and read the answer until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    try:
+        return status, json.loads(body)
+    except json.JSONDecodeError:
+        return status, body.decode(errors="replace")
+
+
+def _post(port, path: str, body: bytes, *, chunked: bool = False) -> tuple[int, object]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    if chunked:  # no Content-Length: the server learns the size only by reading
+        conn.request("POST", path, body=(body[i:i + 65536] for i in range(0, len(body), 65536)), headers=headers,
+                     encode_chunked=True)
+    else:
+        conn.request("POST", path, body=body, headers=headers)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, json.loads(data)
+
+
+def _assert_openai_error(body, status: int, param: str | None, what: str) -> None:
+    assert isinstance(body, dict) and set(body) == {"error"}, (what, body)
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, (what, error)
+    assert error["message"] and "\n" not in error["message"] and len(error["message"]) < 300, (what, error)
+    assert error["param"] == param, (what, error)
+    assert error["type"] == ("authentication_error" if status == 401 else "invalid_request_error"), (what, error)
+
+
+C, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
+
+
+def _hostile_cases() -> list[tuple[str, str, bytes, int, str | None]]:
+    """(what, path, body, expected status, the field the error names)."""
+    def js(**body) -> bytes:
+        return json.dumps({"max_tokens": 4, **body}).encode()
+
+    image = [{"type": "text", "text": "What is in this picture?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    return [
+        ("a JSON array", C, b'[{"prompt": "hi"}]', 400, None),
+        ("a JSON string", C, b'"hi"', 400, None),
+        ("a 2 MiB body", C, js(prompt="a" * (2 << 20)), 413, None),
+        ("a 50,000-character prompt", C, js(prompt="word " * 10_000), 400, "prompt"),
+        ("max_tokens 0", C, js(prompt="hi", max_tokens=0), 400, "max_tokens"),
+        ("max_tokens -1", C, js(prompt="hi", max_tokens=-1), 400, "max_tokens"),
+        ("max_tokens 10**9", C, js(prompt="hi", max_tokens=10 ** 9), 400, "max_tokens"),
+        ("max_tokens 'ten'", C, js(prompt="hi", max_tokens="ten"), 400, "max_tokens"),
+        ("a 5,000-digit max_tokens", C, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, "max_tokens"),
+        ("temperature -1", C, js(prompt="hi", temperature=-1), 400, "temperature"),
+        ("temperature 1e9", C, js(prompt="hi", temperature=1e9), 400, "temperature"),
+        ("temperature NaN (not JSON)", C, b'{"prompt": "hi", "max_tokens": 4, "temperature": NaN}', 400, "temperature"),
+        ("a seed of 2**64", C, js(prompt="hi", seed=2 ** 64), 400, "seed"),
+        ("10 stop strings", C, js(prompt="hi", stop=[str(i) for i in range(10)]), 400, "stop"),
+        ("an image part", CHAT_PATH, js(messages=[{"role": "user", "content": image}]), 400, "messages"),
+        ("a lone surrogate in the prompt", C, b'{"prompt": "hi \\ud800 there", "max_tokens": 4}', 400, "prompt"),
+        ("a lone surrogate in a message", CHAT_PATH,
+         b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 4}', 400, "messages"),
+        ("a lone surrogate in a stop string", C, b'{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 4}', 400, "stop"),
+        ("JSON nested 100,000 deep", C, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    ]
+
+
+def _refusals(port) -> dict[str, float]:
+    requests = _families(port)["kvguard_requests"]
+    return {code: _value(requests, status=code) for code in ("400", "413", "500")}
+
+
+def test_hostile_requests_get_a_counted_4xx_naming_the_field(server):
+    port = server.port
+    before = _refusals(port)
+    cases = _hostile_cases()
+    for what, path, body, status, param in cases:
+        got, answer = _post(port, path, body)
+        assert got == status, (what, answer)
+        _assert_openai_error(answer, status, param, what)
+    got, answer = _post(port, C, json.dumps({"prompt": "a" * (2 << 20)}).encode(), chunked=True)
+    assert got == 413 and "1048576" in answer["error"]["message"], answer
+    after = _refusals(port)
+    assert after["400"] - before["400"] == sum(status == 400 for *_, status, _ in cases)
+    assert after["413"] - before["413"] == 2 and after["500"] == before["500"]
+    # The official client sees the same errors as typed exceptions.
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(port).completions.create(model="smollm2-135m", prompt="hi", max_tokens=-1)
+    assert err.value.status_code == 400 and err.value.param == "max_tokens"
+    assert server.proc.poll() is None and _request(port, "GET", "/healthz")[0] == 200
+
+
+def test_odd_but_valid_requests_succeed(server):
+    port = server.port
+    client = _client(port)
+    out = client.completions.create(model="smollm2-135m", prompt="a\x00b\x01c\x1b[31md\x7f\u200b", max_tokens=4,
+                                    temperature=0)
+    assert out.usage.prompt_tokens > 1 and out.usage.completion_tokens >= 1
+    # HTTP/1.0 has no Host header: answered, then the connection is closed.
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    status, answer = _raw(port, b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nAuthorization: "
+                          + f"Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert status == 200 and answer["usage"]["completion_tokens"] >= 1
+    assert _raw(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 200
+    # A key in the query string is not a key.
+    status, answer = _raw(port, f"GET /v1/models?api_key={KEY} HTTP/1.0\r\n\r\n".encode())
+    assert status == 401 and "query string" in answer["error"]["message"]
+    _assert_openai_error(answer, 401, None, "key in the query string")
+
+
+def test_a_slow_client_does_not_block_the_others(server):
+    # The event loop serves every connection: a client stuck in its headers would block the others at once or
+    # never, so a few seconds of other traffic prove it as well as 30 s (uvicorn has no header timeout to wait out).
+    port = server.port
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as slow:
+        slow.sendall(head[:len(head) // 2])
+        t0 = time.time()
+        out = _client(port).completions.create(model="smollm2-135m", prompt="The sky is", max_tokens=8)
+        assert out.usage.completion_tokens >= 1 and _request(port, "GET", "/healthz")[0] == 200
+        assert time.time() - t0 < 30
+        slow.sendall(head[len(head) // 2:] + body)  # the slow client is still served once it finishes
+        answer = b""
+        while chunk := slow.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 ")
+
+
+def test_thirty_concurrent_requests_get_200_or_429(server):
+    import openai
+
+    port = server.port
+    _wait_idle(port)
+    client = _client(port)
+    start = threading.Barrier(30)
+
+    def one(_) -> int:
+        start.wait()
+        try:
+            client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=8,
+                                      extra_body={"ignore_eos": True})
+            return 200
+        except openai.APIStatusError as err:
+            assert err.body["code"] == "server_busy", err.body
+            return err.status_code
+
+    with ThreadPoolExecutor(30) as pool:
+        statuses = list(pool.map(one, range(30)))
+    assert set(statuses) == {200, 429} and statuses.count(200) >= WORKERS + QUEUE, statuses
+    assert _wait_idle(port)["kv_bytes"] == 0
+
+
+def _rss(port) -> float:
+    return _value(_families(port)["process_resident_memory_bytes"])
+
+
+def test_clients_that_disconnect_mid_stream_leak_nothing(server, smollm2):
+    port, log, _ = server
+    prompt = _prose(smollm2[1], 150)  # long enough that a leaked cache would show
+
+    def disconnect(_) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": prompt, "max_tokens": MAX_NEW, "stream": True, "ignore_eos": True}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events = 0
+        while events < 3:  # three text chunks: mid-stream
+            line = resp.readline()
+            assert line and b"[DONE]" not in line, "the stream ended before the client left"
+            events += line.startswith(b"data: ")
+        conn.close()
+
+    # Two clients at a time: with the requests they left still finishing their token, never more than the
+    # server admits (no 429).
+    with ThreadPoolExecutor(WORKERS) as pool:
+        list(pool.map(disconnect, range(WORKERS)))  # warm every worker's allocator before the baseline
+        _wait_idle(port)
+        baseline, cancelled = _rss(port), len([r for r in _log(log) if r.get("status") == "cancelled"])
+        list(pool.map(disconnect, range(10)))
+    idle = _wait_idle(port)
+    assert idle["active"] == [] and idle["kv_bytes"] == 0 and idle["requests"]["running"] == 0
+    records = [r for r in _log(log) if r.get("status") == "cancelled"][cancelled:]
+    assert len(records) == 10 and all(r["completion_tokens"] < MAX_NEW for r in records)
+    assert _rss(port) < baseline + RSS_SLACK, (baseline, _rss(port))
+
+
+def test_a_non_streaming_client_that_disconnects_stops_its_worker(server):
+    port, log, _ = server
+    _wait_idle(port)
+    body = json.dumps({"prompt": "Count from one to one hundred:", "max_tokens": MAX_NEW, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.time() + 60
+        while not (active := _request(port, "GET", "/v1/kvguard/status")[1]["active"]) or active[0]["generated"] < 8:
+            assert time.time() < deadline, "the request never started decoding"
+            time.sleep(0.02)
+        job, before_close = active[0]["id"], active[0]["generated"]
+    _wait_idle(port)
+    # The token being decoded when the status was read and the one after it may still finish; a third is slack
+    # for a loaded machine. Before, the worker decoded on to MAX_NEW while tokens kept arriving.
+    record = next(r for r in _log(log) if r.get("request") == job and r["event"] == "request")
+    assert record["status"] == "cancelled" and record["completion_tokens"] <= before_close + 3 < MAX_NEW, (
+        before_close, record)
+
+
+def test_greedy_requests_return_what_kvguard_generate_prints(server, small_profile_dir, smollm2, capsys, monkeypatch):
+    from kvguard import models
+    from kvguard.cli import main
+
+    monkeypatch.setattr(models, "load", lambda name: smollm2)  # the command as it runs, on the model already loaded
+    prompt, n = "Write one sentence about the sea.", 12
+    assert main(["generate", "--profile", str(small_profile_dir), "--prompt", prompt, "--max-new-tokens", str(n)]) == 0
+    printed = capsys.readouterr().out.split("\n\n--- ")[0]
+    client = _client(server.port)
+    messages = [{"role": "user", "content": prompt}]
+    once = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=n, temperature=0)
+    streamed = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=n, temperature=0,
+                                              stream=True)
+    assert printed.strip() and once.choices[0].message.content == printed
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == printed
+
+
+def _bad_profiles(source: Path, out: Path) -> dict[str, Path]:
+    """Profiles that load but cannot serve: a tensor gone, a plan one layer short, a classifier over the wrong
+    features (each saved through the profile's own writer, so every hash matches)."""
+    import dataclasses
+
+    from kvguard.control.risk import RiskClassifier
+    from kvguard.profile import Profile
+
+    good = Profile.load(source)
+    meta, tensors = good.meta, good.tensors
+    short = dataclasses.replace(meta.plan, layers=meta.plan.layers[:-1])
+    wrong = RiskClassifier(("entropy_drop",), (0.0,), (1.0,), (1.0,), 0.0, 0.01)
+    variants = {"missing tensor": lambda: Profile(meta, {k: v for k, v in tensors.items() if k != "calibrated.key.absmax"}),
+                "short plan": lambda: Profile(dataclasses.replace(meta, plan=short), tensors),
+                "wrong classifier": lambda: Profile(dataclasses.replace(meta, risk_classifier=wrong), tensors)}
+    written = {}
+    for what, build in variants.items():
+        try:
+            written[what] = build().save(out / what.replace(" ", "-"))
+        except ValueError:  # refused already when written: never reaches a server
+            continue
+    assert "missing tensor" in written
+    return written
+
+
+def test_a_profile_that_cannot_serve_stops_the_server_at_start(small_profile_dir, smollm2, tmp_path, capsys,
+                                                               monkeypatch):
+    import uvicorn
+
+    from kvguard import models
+    from kvguard.cli import main
+
+    def listen(*args, **kwargs):
+        raise AssertionError("kvguard serve started listening with a profile that cannot serve")
+
+    monkeypatch.setattr(models, "load", lambda name: smollm2)  # the command as it runs, on the model already loaded
+    monkeypatch.setattr(uvicorn, "run", listen)
+    for what, path in _bad_profiles(small_profile_dir, tmp_path).items():
+        # --torch-threads: this process's own, which the engine would otherwise reset
+        argv = ["serve", "--profile", str(path), "--port", "0", "--torch-threads", str(torch.get_num_threads())]
+        assert main(argv) == 2, what
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("kvguard serve: error: ") and "\n" not in err and str(path) in err, (what, err)

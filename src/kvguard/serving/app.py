@@ -21,21 +21,22 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvguard.serving.engine import Engine, Job
 from kvguard.serving.settings import ServeConfig
 from kvguard.serving.status_page import status_page
-from kvguard.serving.protocol import MAX_BODY_BYTES, RequestError
+from kvguard.serving.protocol import MAX_BODY_BYTES, RequestError, parse_json
 
 COMPLETIONS, CHAT = "completions", "chat.completions"
 
 
-def _error(err: RequestError) -> JSONResponse:
+def _error(err: RequestError) -> Response:
     headers = {"Retry-After": "1"} if err.status == 429 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    # json.dumps' ASCII escapes: a message may quote a lone surrogate, which has no UTF-8 encoding.
+    return Response(json.dumps(err.body()), status_code=err.status, headers=headers, media_type="application/json")
 
 
 class BearerAuth:
@@ -49,6 +50,8 @@ class BearerAuth:
             given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if given != f"Bearer {self.api_key}":
                 what = "no API key was sent" if not given else "the API key is wrong"
+                if not given and scope.get("query_string"):
+                    what += " (a key in the query string is not read: URLs end up in logs)"
                 response = _error(RequestError(401, f"{what}: send 'Authorization: Bearer <key>'",
                                                kind="authentication_error", code="invalid_api_key"))
                 await response(scope, receive, send)
@@ -56,17 +59,25 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+def _too_large(size: str) -> RequestError:
+    return RequestError(413, f"the request body is {size}; at most {MAX_BODY_BYTES} bytes are accepted")
+
+
 async def _read_body(request: Request):
+    """The request's JSON body, read no further than :data:`MAX_BODY_BYTES`: a chunked body has no
+    Content-Length to refuse up front, so the limit applies while reading (what follows is never stored)."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise RequestError(413, f"the request body is {size} bytes; at most {MAX_BODY_BYTES} are accepted")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise RequestError(413, f"the request body is {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
+        raise _too_large(f"{size} bytes")
+    raw = bytearray()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(400, f"the request body is not valid JSON: {err}") from None
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise _too_large(f"over {MAX_BODY_BYTES} bytes (chunked)")
+    except ClientDisconnect:
+        raise RequestError(499, "the client disconnected before sending the whole body") from None
+    return parse_json(bytes(raw))
 
 
 def _finish(engine: Engine, job: Job, endpoint: str, status: str, done: dict | None, completion_tokens: int = 0) -> None:
@@ -119,26 +130,38 @@ async def _generate(request: Request, endpoint: str):
         r = engine.parser.parse(endpoint, body)
         job = engine.admit(r, asyncio.get_running_loop())
     except RequestError as err:
-        engine.metrics.requests.labels(endpoint, str(err.status)).inc()
-        engine.log({"event": "request", "endpoint": endpoint, "status": err.status, "error": err.message})
-        return _error(err)
+        return _refuse(engine, endpoint, err)
+    except Exception as err:  # noqa: BLE001 - a request validation did not foresee: still counted, logged, OpenAI's body
+        what = " ".join(f"{type(err).__name__}: {err}".split())
+        return _refuse(engine, endpoint, RequestError(500, f"internal error reading the request: {what}",
+                                                      kind="server_error"))
     if r.stream:
         return StreamingResponse(_stream(engine, job, endpoint), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await _complete(engine, request, job, endpoint)
 
 
+def _refuse(engine: Engine, endpoint: str, err: RequestError) -> Response:
+    """Count, log and answer a request refused before it reached a worker."""
+    engine.metrics.requests.labels(endpoint, str(err.status)).inc()
+    engine.log({"event": "request", "endpoint": endpoint, "status": err.status, "error": err.message})
+    return _error(err)
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """Set ``job``'s cancel flag the moment its client goes away; the worker checks the flag at every token."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+
+
 async def _complete(engine: Engine, request: Request, job: Job, endpoint: str):
     """A non-streamed completion: collect the text, answer once."""
     text, done = [], None
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
     try:
         while True:
-            try:
-                kind, payload = await asyncio.wait_for(job.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancelled.set()
-                continue
+            kind, payload = await job.queue.get()
             if kind == "text":
                 text.append(payload)
             elif kind == "done":
@@ -150,6 +173,8 @@ async def _complete(engine: Engine, request: Request, job: Job, endpoint: str):
     except asyncio.CancelledError:
         job.cancelled.set()
         raise
+    finally:
+        watcher.cancel()
     n = done["completion_tokens"]
     if done["finish_reason"] == "cancelled":
         _finish(engine, job, endpoint, "cancelled", done, n)
@@ -280,7 +305,10 @@ def serve(cfg: ServeConfig) -> None:
     """Load the model and profile, then serve until interrupted."""
     import uvicorn
 
-    log = open(cfg.log_file, "a", buffering=1) if cfg.log_file else sys.stderr
+    try:  # before the model loads: a log that cannot be written is known at once
+        log = open(cfg.log_file, "a", buffering=1) if cfg.log_file else sys.stderr
+    except OSError as err:
+        raise ValueError(f"--log-file {cfg.log_file}: cannot be written ({err.strerror})") from None
     engine = Engine(cfg, log=log)
     if not is_loopback(cfg.host):
         print(f"[kvguard serve] warning: listening on {cfg.host}, not loopback"

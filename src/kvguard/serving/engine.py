@@ -6,7 +6,8 @@ Requests run on a bounded pool of worker threads (``max_concurrency``; torch rel
 behind a bounded wait queue (``max_queue``): a request that finds both full is refused at once (429). A client
 that disconnects sets the job's cancel flag; the worker stops at its next token and its cache is freed. The
 model's attention runs through kvguard's harness (:mod:`kvguard.attention`); each worker thread's session
-reaches it through a context variable, so sessions never see each other's state.
+reaches it through a context variable, so sessions never see each other's state. Before any request, the engine
+decodes a few tokens through one session of the profile: a profile that loads but cannot serve is refused at start.
 """
 
 from __future__ import annotations
@@ -84,6 +85,28 @@ class Engine:
         self.last_summary: dict | None = None
         # The status page lists these; the log and the metrics keep the full history.
         self.recent_events: deque[dict] = deque(maxlen=RECENT_EVENTS)
+        self._rehearse()
+
+    def _rehearse(self) -> None:
+        """Decode once through a full session before serving: a profile that loads but cannot serve (a plan that
+        does not fit the model, a classifier the monitor cannot feed, a missing tensor) stops the server at start,
+        with one line naming the profile, instead of a /healthz that answers 200 over completions that all fail."""
+        from kvguard.control.session import LiveSession
+        from kvguard.profile import ProfileError
+
+        try:
+            session = LiveSession.from_profile(self.model, self.profile, sequence_id="startup-check")
+            # Long enough that tokens leave the full-precision window and two monitoring steps run.
+            steps = 2 * session.config.refresh_tokens
+            length = min(session.start_step + 1, self.parser.limits.context - steps)
+            text = self.tok("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False)["input_ids"]
+            prompt = torch.tensor((text * (length // len(text) + 1))[:length])
+            session.generate(prompt, steps)
+        except ProfileError:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever breaks here would break every request
+            message = " ".join(f"{type(err).__name__}: {err}".split())
+            raise ProfileError(f"profile {self.cfg.profile} cannot serve {self.model_name}: {message}") from None
 
     # ------------------------------------------------------------------ admission
     def admit(self, request: GenerationRequest, loop) -> Job:
@@ -205,7 +228,9 @@ class Engine:
 
     def status(self) -> dict:
         plan = self.profile.plan
-        jobs = [(j.id, j.snapshot) for j in list(self.jobs.values()) if j.snapshot]
+        # Each job's snapshot read once: a worker replaces it (and clears it at the end) meanwhile.
+        jobs = [(j, j.snapshot) for j in list(self.jobs.values())]
+        jobs = [(j, s) for j, s in jobs if s]
         stored = sum(s["kv_bytes"] for _, s in jobs)
         fp16 = sum(s["kv_bytes_fp16"] for _, s in jobs)
         m = self.metrics
@@ -218,7 +243,7 @@ class Engine:
             "monitored_layers": list(self.profile.meta.monitor.layers or []),
             "requests": {"running": self.running, "waiting": self.admitted - self.running,
                          "max_concurrency": self.cfg.max_concurrency, "max_queue": self.cfg.max_queue, **self.totals},
-            "active": [{"id": i, **s} for i, s in jobs],
+            "active": [{"id": j.id, "generated": j.generated, **s} for j, s in jobs],
             "rollback_level": max((s["level"] for _, s in jobs), default=0),
             "trigger_rate": m.rate,
             "max_trigger_rate": m.max_trigger_rate,

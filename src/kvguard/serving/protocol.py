@@ -7,6 +7,7 @@ or the start of a stop string.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ from kvguard.control.sampling import SEED_RANGE, Sampler
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
+# No field takes a longer integer; Python's int() refuses more than 4,300 digits with a bare ValueError, which
+# would leave the body unparsed and the field unnamed.
+MAX_INTEGER_DIGITS = 100
 
 
 class RequestError(Exception):
@@ -27,6 +31,48 @@ class RequestError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class HugeInteger:
+    """A JSON integer literal longer than :data:`MAX_INTEGER_DIGITS`: kept as its length, not converted, so the
+    field that holds it refuses it by name (it is neither an ``int`` nor a ``float``)."""
+
+    digits: int
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _parse_int(literal: str) -> int | HugeInteger:
+    return int(literal) if len(literal) <= MAX_INTEGER_DIGITS else HugeInteger(len(literal.lstrip("-")))
+
+
+def parse_json(raw: bytes):
+    """The request body's JSON value, or a 400 saying why it is not one."""
+    try:
+        return json.loads(raw, parse_int=_parse_int)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(400, f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise RequestError(400, "the request body nests JSON arrays or objects too deeply") from None
+
+
+def _show(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to one short line (an error message never echoes a megabyte back)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _unicode(text: str, name: str) -> str:
+    """``text``, unless it holds a lone UTF-16 surrogate (JSON's ``"\\ud800"`` escape), which is not Unicode
+    text and which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(400, f"'{name}' is not valid Unicode: a lone surrogate {text[err.start]!r} at character "
+                                f"{err.start}", param=name) from None
+    return text
 
 
 @dataclass
@@ -54,7 +100,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_o
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(400, f"'{name}' must be a number, got {value!r}", param=name)
+        raise RequestError(400, f"'{name}' must be a number, got {_show(value)}", param=name)
     if value < lo or value > hi or (lo_open and value == lo):
         raise RequestError(400, f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
     return float(value)
@@ -65,7 +111,7 @@ def _integer(body: dict, name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(400, f"'{name}' must be an integer, got {value!r}", param=name)
+        raise RequestError(400, f"'{name}' must be an integer, got {_show(value)}", param=name)
     return value
 
 
@@ -81,7 +127,7 @@ def _bool(body: dict, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise RequestError(400, f"'{name}' must be true or false, got {value!r}", param=name)
+        raise RequestError(400, f"'{name}' must be true or false, got {_show(value)}", param=name)
     return value
 
 
@@ -94,7 +140,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise RequestError(400, "'stop' must be a non-empty string or a list of them", param="stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise RequestError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
-    return tuple(stops)
+    return tuple(_unicode(s, "stop") for s in stops)
 
 
 def _message_text(message, index: int) -> tuple[str, str]:
@@ -102,7 +148,7 @@ def _message_text(message, index: int) -> tuple[str, str]:
         raise RequestError(400, f"messages[{index}] must be an object with 'role' and 'content'", param="messages")
     role, content = message.get("role"), message.get("content")
     if role not in ("system", "developer", "user", "assistant"):
-        raise RequestError(400, f"messages[{index}].role must be system, developer, user or assistant, got {role!r}",
+        raise RequestError(400, f"messages[{index}].role must be system, developer, user or assistant, got {_show(role)}",
                            param="messages")
     if isinstance(content, list):  # content parts: only text is understood
         parts = []
@@ -114,7 +160,7 @@ def _message_text(message, index: int) -> tuple[str, str]:
     if not isinstance(content, str):
         raise RequestError(400, f"messages[{index}].content must be a string or a list of text parts",
                            param="messages")
-    return ("system" if role == "developer" else role), content
+    return ("system" if role == "developer" else role), _unicode(content, "messages")
 
 
 @dataclass(frozen=True)
@@ -140,7 +186,7 @@ class RequestParser:
             raise RequestError(400, "the request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise RequestError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
+            raise RequestError(404, f"model {_show(model)} is not served here; this server serves {self.model_name!r}",
                                param="model", code="model_not_found")
         n = _integer(body, "n")
         if n not in (None, 1):
@@ -196,7 +242,7 @@ class RequestParser:
         if not isinstance(prompt, str):
             raise RequestError(400, "'prompt' must be a string, a list of one string, or a list of token ids "
                                     "(batches of prompts are not supported: send one request each)", param="prompt")
-        ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
+        ids = self.tok(_unicode(prompt, "prompt"), add_special_tokens=False)["input_ids"]
         return ([self.bos] if self.bos is not None and ids else []) + ids
 
     def _chat_ids(self, body: dict) -> list[int]:
