@@ -11,9 +11,9 @@ import os
 import sys
 
 from kvguard import __version__
-from kvguard.cli import calibrate, evaluate, export, generate, models, report, run, serve
+from kvguard.cli import calibrate, check_engine, evaluate, export, generate, models, report, run, serve
 
-COMMANDS = (models, run, evaluate, calibrate, report, generate, serve, export)
+COMMANDS = (models, run, evaluate, calibrate, report, generate, serve, export, check_engine)
 
 
 def build_parser() -> argparse.ArgumentParser:
