@@ -4,8 +4,9 @@
 
 vLLM scores the tokens with ``prompt_logprobs`` twice: the model's own folder (``auto`` cache: the model's
 float32) and the served folder of an FP8 export (``kvguard check-engine`` builds it). kvguard scores the same
-tokens with its ``fp16`` and ``fp8`` methods (the latter quantizes with the exported scales). vLLM's CPU build
-runs an FP8 cache only on x86 with AVX-512 or AMX: elsewhere the FP8 row says why it cannot run.
+tokens with its ``fp16``, ``fp8`` (the exported scales, rounding to nearest as GPU engines do) and
+``fp8:vllm-cpu`` (the same scales, rounding toward zero as vLLM's CPU build does) methods. vLLM's CPU build runs
+an FP8 cache only on x86 with AVX-512 or AMX: elsewhere the FP8 rows say why it cannot run.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def main() -> None:
     model, tok = models.load(name)
     profile = Profile.load(manifest["profile"]["path"], model)
     ids = data.token_stream("prose", "eval", tok, args.tokens)
-    rows = {r.method: r for r in harness.evaluate_stream(model, ids, "prose", ["fp16", manifest["eval_method"]],
-                                                         profile=profile, progress=False)}
+    names = ["fp16", manifest["eval_method"], "fp8:vllm-cpu"]
+    rows = {r.method: r for r in harness.evaluate_stream(model, ids, "prose", names, profile=profile, progress=False)}
     del model
     engine = {"auto": engine_check.run_vllm(models.converted_dir(name), args.engine_python, tokens=ids.tolist()),
               "fp8": engine_check.run_vllm(args.served, args.engine_python, tokens=ids.tolist())}
@@ -45,7 +46,9 @@ def main() -> None:
     print("| cache | kvguard ppl | vLLM ppl | vLLM / kvguard |")
     print("|---|---|---|---|")
     for label, ours, theirs in (("FP16 (vLLM: auto, float32)", rows["fp16"], engine["auto"]),
-                                (f"FP8, exported scales ({manifest['eval_method']})", rows[manifest["eval_method"]],
+                                (f"FP8, exported scales, kvguard `{manifest['eval_method']}` (to nearest)",
+                                 rows[manifest["eval_method"]], engine["fp8"]),
+                                ("FP8, exported scales, kvguard `fp8:vllm-cpu` (toward zero)", rows["fp8:vllm-cpu"],
                                  engine["fp8"])):
         if theirs.score is None:
             print(f"| {label} | {ours.ppl:.3f} | cannot run: {theirs.error} | - |")

@@ -171,3 +171,28 @@ def test_real_vllm_loads_the_exported_smollm2_scales(small_profile_dir, tmp_path
     result = engine_check.compare(engine_check.exported_scales(tmp_path / "export", "tensor"), report)
     assert report.engine == "vllm" and report.cache_dtype == "fp8" and len(report.layers) == 30
     assert result.ok, result.problems
+
+
+def test_per_token_head_exports_carry_the_arguments_and_the_chosen_skip_list(tiny, tmp_path):
+    profile = Profile.load(tiny[2].parent / "profile")
+    manifest = export(profile, ExportSpec("vllm", kv_cache_dtype="int4_per_token_head"), tmp_path / "plain")
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["README.md", "kvguard_export.json"]
+    assert manifest["engine_args"] == ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-dtype-skip-layers", "1"]
+    assert manifest["eval_method"] == "vllm-int4_per_token_head" and manifest["scales"] is None
+    choice = {"dtype": "int4_per_token_head", "budget": 0.7, "chosen": [0],
+              "candidates": [{"skip": [], "memory": 0.375, "kl": 0.2, "ppl_increase_pct": 9.0, "top1_agree": 0.8},
+                             {"skip": [0], "memory": 0.69, "kl": 0.1, "ppl_increase_pct": 4.0, "top1_agree": 0.9}]}
+    manifest = export(profile, ExportSpec("vllm", kv_cache_dtype="int4_per_token_head"), tmp_path / "c", skip_choice=choice)
+    assert manifest["engine_args"][-2:] == ["--kv-cache-dtype-skip-layers", "0"]
+    readme = (tmp_path / "c" / "README.md").read_text()
+    assert "vllm serve MODEL_DIR --kv-cache-dtype int4_per_token_head --kv-cache-dtype-skip-layers 0" in readme
+    assert "| 0 | 0.690 | 0.10000 | +4.00 |" in readme
+    with pytest.raises(ExportError, match="chosen for int4_per_token_head, the export is fp8"):
+        export(profile, ExportSpec("vllm"), tmp_path / "d", skip_choice=choice)
+    with pytest.raises(ExportError, match="fits the memory budget 0.1"):
+        export(profile, ExportSpec("vllm", kv_cache_dtype="int4_per_token_head"), tmp_path / "d",
+               skip_choice=dict(choice, chosen=None, budget=0.1))
+    with pytest.raises(ExportError, match=r"--kv-cache-dtype has to be one of \[fp8, int8_per_token_head"):
+        ExportSpec("vllm", kv_cache_dtype="int2")
+    with pytest.raises(ExportError, match="SGLang exports are fp8"):
+        ExportSpec("sglang", kv_cache_dtype="int8_per_token_head")

@@ -113,7 +113,7 @@ def engine_cache(config, dtype: EngineDtype, skip: tuple[int, ...], scales: FP8S
     if dtype is EngineDtype.FP8:
         if scales is None:
             raise ValueError("the fp8 engine dtype needs the exported FP8 scales")
-        return FP8Scales(scales.key, scales.value, scales.granularity, skip).make_cache(config)
+        return FP8Scales(scales.key, scales.value, scales.granularity, skip, scales.rounding).make_cache(config)
     return TokenHeadCache(config, TokenHeadFormat(dtype.value), skip)
 
 

@@ -13,7 +13,8 @@
   ``kvguard@0.25``), a more aggressive calibrated plan.
 - ``fp8`` / ``fp8:head`` / ``fp8:sglang``: the FP8-E4M3 cache a serving engine keeps with the scales
   ``kvguard export`` writes from the profile (:mod:`kvguard.fp8`): vLLM per tensor (the plan's FP16 layers
-  skipped), vLLM per KV head, SGLang (one scale per layer for K and V, no layer skipped). Needs ``--profile``.
+  skipped), vLLM per KV head, SGLang (one scale per layer for K and V, no layer skipped); ``fp8:vllm-cpu``:
+  ``fp8`` with the rounding of vLLM's CPU build (toward zero). Needs ``--profile``.
 - ``vllm-int8_per_token_head`` / ``vllm-int4_per_token_head``: vLLM's dynamic per-token-head caches
   (:mod:`kvguard.per_token_head`), reproduced from its kernels: no calibration, every layer quantized.
 - ``kvguard-live``: that plan decoded under the run-time feedback loop (:mod:`kvguard.control.session`);
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvguard.config import CacheConfig
-from kvguard.fp8 import FP8Scales, Granularity, fp8_scales
+from kvguard.fp8 import FP8Scales, Granularity, Rounding, fp8_scales
 from kvguard.architecture import Architecture
 from kvguard.per_token_head import TokenHeadCache, TokenHeadFormat
 from kvguard.plan import Plan, StaticScales
@@ -130,7 +131,7 @@ METHODS.update({
     )
 })
 # Methods that need a calibration profile (``--profile``).
-PROFILE_METHODS = ("kvguard", "kvguard-live", "fp8", "fp8:head", "fp8:sglang")
+PROFILE_METHODS = ("kvguard", "kvguard-live", "fp8", "fp8:head", "fp8:sglang", "fp8:vllm-cpu")
 LIVE = "kvguard-live"
 # The engine FP8 caches: name -> (fp8_scales arguments, description).
 FP8_METHODS: dict[str, tuple[dict, str]] = {
@@ -140,6 +141,8 @@ FP8_METHODS: dict[str, tuple[dict, str]] = {
                  "vLLM FP8-E4M3 cache, exported per-KV-head scales, the plan's FP16 layers skipped"),
     "fp8:sglang": (dict(granularity=Granularity.TENSOR, shared_kv=True, skip_fp16=False),
                    "SGLang FP8-E4M3 cache, one exported scale per layer for K and V, no layer skipped"),
+    "fp8:vllm-cpu": (dict(granularity=Granularity.TENSOR, rounding=Rounding.TOWARD_ZERO),
+                     "vLLM's CPU FP8-E4M3 cache (rounds toward zero), exported per-tensor scales, FP16 layers skipped"),
 }
 
 
