@@ -21,6 +21,7 @@ from kvguard.profile import Profile
 from kvguard.serving import engine_check, served_model
 from kvguard.serving.export import ExportError, ExportSpec, export
 from tests.helpers import profile_meta, tiny_llama
+from tests.serving.test_export import profile  # noqa: F401  (the real SmolLM2 profile fixture)
 
 ENGINE_PYTHON = Path(__file__).resolve().parents[2] / ".venv-engines" / "bin" / "python"
 
@@ -162,10 +163,11 @@ def test_check_engine_cli_prints_the_table_and_fails_on_a_default_scale(tiny, tm
 
 @pytest.mark.slow
 @pytest.mark.skipif(not ENGINE_PYTHON.is_file(), reason="vLLM's venv is absent: run `make engines` to check in vLLM")
-def test_real_vllm_loads_the_exported_smollm2_scales(small_profile_dir, tmp_path):
+def test_real_vllm_loads_the_exported_smollm2_scales(profile, tmp_path):
+    """The SmolLM2 profile of test_export (real K/V statistics, FP16 layers 0, 7, 29 skipped)."""
     from kvguard import models
 
-    export(Profile.load(small_profile_dir), ExportSpec("vllm"), tmp_path / "export")
+    export(profile, ExportSpec("vllm"), tmp_path / "export")
     served = served_model.build(models.converted_dir("smollm2-135m"), tmp_path / "export", tmp_path / "served")
     report = engine_check.run_vllm(served.path, ENGINE_PYTHON)
     result = engine_check.compare(engine_check.exported_scales(tmp_path / "export", "tensor"), report)
