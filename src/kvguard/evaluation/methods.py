@@ -13,7 +13,10 @@
   ``kvguard@0.25``), a more aggressive calibrated plan.
 - ``fp8`` / ``fp8:head`` / ``fp8:sglang``: the FP8-E4M3 cache a serving engine keeps with the scales
   ``kvguard export`` writes from the profile (:mod:`kvguard.fp8`): vLLM per tensor (the plan's FP16 layers
-  skipped), vLLM per KV head, SGLang (one scale per layer for K and V, no layer skipped). Needs ``--profile``.
+  skipped), vLLM per KV head, SGLang (one scale per layer for K and V, no layer skipped); ``fp8:vllm-cpu``:
+  ``fp8`` with the rounding of vLLM's CPU build (toward zero). Needs ``--profile``.
+- ``vllm-int8_per_token_head`` / ``vllm-int4_per_token_head``: vLLM's dynamic per-token-head caches
+  (:mod:`kvguard.per_token_head`), reproduced from its kernels: no calibration, every layer quantized.
 - ``kvguard-live``: that plan decoded under the run-time feedback loop (:mod:`kvguard.control.session`);
   ``kvguard-live:<static method>`` runs the loop over another plan (e.g. ``kvguard-live:int2``) with the
   profile's baseline, classifier and thresholds. Needs ``--profile``; always streamed token by token.
@@ -28,8 +31,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvguard.config import CacheConfig
-from kvguard.fp8 import FP8Scales, Granularity, fp8_scales
+from kvguard.fp8 import FP8Scales, Granularity, Rounding, fp8_scales
 from kvguard.architecture import Architecture
+from kvguard.per_token_head import TokenHeadCache, TokenHeadFormat
 from kvguard.plan import Plan, StaticScales
 
 KIVI = CacheConfig(residual=128, sinks=0, group_size=32)
@@ -46,6 +50,7 @@ class Method:
         peer: the :mod:`kvguard.evaluation.peers` name for transformers' caches.
         scales: calibrated INT8 ranges the plan's INT8 heads use (profile methods).
         fp8: the static FP8 scales of the ``fp8`` methods (an engine's FP8 cache, :mod:`kvguard.fp8`).
+        token_head: the vLLM per-token-head format of the ``vllm-*_per_token_head`` methods.
     """
 
     name: str
@@ -56,6 +61,7 @@ class Method:
     profile: object = None  # the calibration profile of live methods
     live: bool = False
     fp8: FP8Scales | None = None
+    token_head: TokenHeadFormat | None = None
 
     @property
     def simulatable(self) -> bool:
@@ -65,7 +71,7 @@ class Method:
     def chunk_invariant(self) -> bool:
         """The cache gives attention the same inputs however the stream is chunked (static scales, every token
         quantized once, new tokens included), so a few long chunks score chunk-1 decoding exactly."""
-        return self.fp8 is not None
+        return self.fp8 is not None or self.token_head is not None
 
     def session(self, model, **kwargs):
         """A fresh :class:`~kvguard.control.session.LiveSession` for one sequence (live methods only)."""
@@ -84,6 +90,8 @@ class Method:
             return self.plan(Architecture.from_config(model.config)).make_cache(model.config, self.scales)
         if self.fp8 is not None:
             return self.fp8.make_cache(model.config)
+        if self.token_head is not None:
+            return TokenHeadCache(model.config, self.token_head)
         from kvguard.evaluation import peers
 
         return peers.make_cache(self.peer, model)
@@ -110,8 +118,20 @@ METHODS: dict[str, Method] = {
         Method("hf-hqq-4", "transformers QuantizedCache, HQQ backend, 4 bits", peer="hf-hqq-4"),
     )
 }
+
+# vLLM's own dynamic KV dtypes (``--kv-cache-dtype int8_per_token_head`` / ``int4_per_token_head``): what the
+# engine does with no calibration at all, every layer quantized.
+VLLM_PREFIX = "vllm-"
+METHODS.update({
+    VLLM_PREFIX + fmt.value: Method(VLLM_PREFIX + fmt.value, f"vLLM --kv-cache-dtype {fmt.value}: {what}",
+                                    token_head=fmt)
+    for fmt, what in (
+        (TokenHeadFormat.INT8, "symmetric INT8, one float32 scale per token and KV head"),
+        (TokenHeadFormat.INT4, "asymmetric INT4 after a Hadamard rotation, one float32 scale per token and KV head"),
+    )
+})
 # Methods that need a calibration profile (``--profile``).
-PROFILE_METHODS = ("kvguard", "kvguard-live", "fp8", "fp8:head", "fp8:sglang")
+PROFILE_METHODS = ("kvguard", "kvguard-live", "fp8", "fp8:head", "fp8:sglang", "fp8:vllm-cpu")
 LIVE = "kvguard-live"
 # The engine FP8 caches: name -> (fp8_scales arguments, description).
 FP8_METHODS: dict[str, tuple[dict, str]] = {
@@ -121,6 +141,8 @@ FP8_METHODS: dict[str, tuple[dict, str]] = {
                  "vLLM FP8-E4M3 cache, exported per-KV-head scales, the plan's FP16 layers skipped"),
     "fp8:sglang": (dict(granularity=Granularity.TENSOR, shared_kv=True, skip_fp16=False),
                    "SGLang FP8-E4M3 cache, one exported scale per layer for K and V, no layer skipped"),
+    "fp8:vllm-cpu": (dict(granularity=Granularity.TENSOR, rounding=Rounding.TOWARD_ZERO),
+                     "vLLM's CPU FP8-E4M3 cache (rounds toward zero), exported per-tensor scales, FP16 layers skipped"),
 }
 
 
