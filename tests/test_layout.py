@@ -8,7 +8,7 @@ import kvguard
 
 ROOT = Path(kvguard.__file__).parent
 CORE = ("precision", "packing", "quantizer", "config", "plan", "cache_layer", "cache", "fp8", "simulate", "entropy",
-        "profile", "models", "data", "architecture", "attention", "atomic")
+        "profile", "models", "data", "architecture", "attention", "atomic", "rotation")
 STAGES = ("calibration", "control", "evaluation", "serving")
 MAX_FUNCTION_LINES = 80
 
