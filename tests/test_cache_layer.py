@@ -36,12 +36,13 @@ def expected_layout(keys, values, cfg, precision="int4"):
     return k, v, end
 
 
+@pytest.mark.parametrize("precision", ["int4", "int3"])
 @pytest.mark.parametrize("chunk", [1, 3, 50])
-def test_layout_matches_reference_for_any_chunking(chunk):
+def test_layout_matches_reference_for_any_chunking(chunk, precision):
     keys, values = kv(50, 0)
-    layer = KVGuardLayer("int4", CFG)
+    layer = KVGuardLayer(precision, CFG)
     feed(layer, keys, values, chunk)
-    exp_k, exp_v, q_end = expected_layout(keys, values, CFG)
+    exp_k, exp_v, q_end = expected_layout(keys, values, CFG, precision)
     got_k, got_v = layer.materialize(torch.float32)
     torch.testing.assert_close(got_k, exp_k, atol=0, rtol=0)
     torch.testing.assert_close(got_v, exp_v, atol=0, rtol=0)
@@ -192,8 +193,8 @@ def test_batch_reorder_and_select():
 
 
 def test_precision_errors_name_valid_values():
-    with pytest.raises(ValueError, match=r"\[fp16, int8, int4, int2\]"):
-        KVGuardLayer("int3", CFG)
+    with pytest.raises(ValueError, match=r"\[fp16, int8, int4, int3, int2\]"):
+        KVGuardLayer("int5", CFG)
     layer = KVGuardLayer(["int4"] * H, CFG)
     feed(layer, *kv(4, 11), 4)
     with pytest.raises(ValueError, match="3 KV heads"):

@@ -44,7 +44,7 @@ def reference(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Ten
 
 SPECS = [
     QuantSpec(p, a, group_size=g, clip=c)
-    for p in (Precision.INT8, Precision.INT4, Precision.INT2)
+    for p in (Precision.INT8, Precision.INT4, Precision.INT3, Precision.INT2)
     for a in (Axis.CHANNEL, Axis.TOKEN)
     for g, c in ((4, 1.0), (8, 0.9))
 ]
@@ -93,7 +93,7 @@ def test_hand_computed_int8_static():
     assert bigger.codes().tolist() == [[127, 0]]
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int3", "int2"])
 @pytest.mark.parametrize("value", [0.0, 3.25, -7.5])
 def test_zero_range_groups_are_exact(precision, value):
     x = torch.full((8, 8), value)
@@ -120,8 +120,8 @@ def test_partial_groups_are_refused():
 
 
 def test_spec_validation_lists_valid_values():
-    with pytest.raises(ValueError, match=r"\[fp16, int8, int4, int2\]"):
-        QuantSpec("int3", "token")
+    with pytest.raises(ValueError, match=r"\[fp16, int8, int4, int3, int2\]"):
+        QuantSpec("int5", "token")
     with pytest.raises(ValueError, match="channel"):
         QuantSpec("int4", "rows")
     with pytest.raises(ValueError, match="clip"):
@@ -141,7 +141,7 @@ def test_cat_equals_quantizing_blocks_separately():
 
 
 @pytest.mark.parametrize(
-    "precision, floor_db", [("int8", 35.0), ("int4", 15.0), ("int2", 4.0)]
+    "precision, floor_db", [("int8", 35.0), ("int4", 15.0), ("int3", 9.0), ("int2", 4.0)]
 )
 def test_sqnr_floor_on_gaussian_data(precision, floor_db):
     gen = torch.Generator().manual_seed(3)
@@ -151,7 +151,7 @@ def test_sqnr_floor_on_gaussian_data(precision, floor_db):
     assert sqnr > floor_db
 
 
-@pytest.mark.parametrize("precision, bytes_per_value", [("int8", 1 + 2 / 32), ("int4", 0.5 + 4 / 32), ("int2", 0.25 + 4 / 32)])
+@pytest.mark.parametrize("precision, bytes_per_value", [("int8", 1 + 2 / 32), ("int4", 0.5 + 4 / 32), ("int3", 0.375 + 4 / 32), ("int2", 0.25 + 4 / 32)])
 def test_nbytes_counts_codes_scales_and_zero_points(precision, bytes_per_value):
     x = torch.randn(1, 2, 64, 64)
     qt = quantize(x, QuantSpec(precision, "channel", group_size=32))

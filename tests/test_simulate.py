@@ -24,9 +24,11 @@ def test_switch_points_follow_the_window():
 
 
 def _mixed_plan(arch: Architecture, cfg: CacheConfig) -> Plan:
-    cycle = ["int2", "int4", "int8", "fp16"]
+    # Every tier, clipped keys, and rotated keys / values on some layers (both sides on layer 1, 7, ...).
+    cycle = ["int2", "int3", "int4", "int8", "fp16"]
     layers = tuple(
-        LayerPlan(tuple(cycle[(i + h) % 4] for h in range(arch.num_kv_heads)), key_clip=0.95 if i % 3 == 0 else 1.0)
+        LayerPlan(tuple(cycle[(i + h) % 5] for h in range(arch.num_kv_heads)), key_clip=0.95 if i % 3 == 0 else 1.0,
+                  key_rotation=i % 2 == 1, value_rotation=i % 3 == 1)
         for i in range(arch.num_layers)
     )
     return Plan(layers, cfg)

@@ -10,6 +10,8 @@ A layer stores the tokens it has seen, in order, as::
   Within a run the heads sharing a precision form one *part*. Tokens enter a run in whole groups of
   ``group_size`` when they leave the window, are quantized exactly once, and are never re-quantized.
 - **window**: the most recent ``residual`` to ``residual + group_size - 1`` tokens, full precision.
+- **rotation** (optional, per side): heads below INT8 can store ``quantize(x @ R)`` with ``R`` an orthonormal
+  randomized Hadamard matrix per KV head (:mod:`kvguard.rotation`), read back as ``dequantize(...) @ R.T``.
 - **overlay**: full-precision K/V for chosen quantized positions (selective recomputation writes it through
   :meth:`KVGuardLayer.write_fp`); it wins over the codes when the layer is read.
 
@@ -25,10 +27,10 @@ from typing import Callable, Sequence
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvguard import rotation
 from kvguard.config import CacheConfig
 from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize
-
 
 
 def _nbytes(t: "QuantizedTensor | torch.Tensor | None") -> int:
@@ -47,6 +49,8 @@ class _PartLayout:
     precision: Precision
     key_spec: QuantSpec | None  # None for fp16 heads
     value_spec: QuantSpec | None
+    key_rotated: bool = False  # stored as quantize(k @ R); only below INT8
+    value_rotated: bool = False
 
 
 @dataclass
@@ -55,6 +59,7 @@ class _Part:
     index: torch.Tensor  # LongTensor of the head indices, for index_select / index_copy
     keys: "QuantizedTensor | torch.Tensor | None" = None  # [B, h, T, D]
     values: "QuantizedTensor | torch.Tensor | None" = None
+    rotation: torch.Tensor | None = None  # [h, D, D] of the part's heads, when a side is rotated
 
     def nbytes(self) -> int:
         return _nbytes(self.keys) + _nbytes(self.values)
@@ -89,6 +94,7 @@ class KVGuardLayer(CacheLayerMixin):
         # Calibrated INT8 absmax per KV head and channel, [H_kv, D]; None = dynamic scales.
         self.key_absmax: torch.Tensor | None = None
         self.value_absmax: torch.Tensor | None = None
+        self.key_rotation = self.value_rotation = False  # Hadamard-rotate heads below INT8 before quantizing
         self.num_heads: int | None = None  # known at the first update
         # Error evidence for the run-time monitor (off unless it asks: it costs a decode per stored group).
         self.track_error = False
@@ -168,6 +174,10 @@ class KVGuardLayer(CacheLayerMixin):
                     raise ValueError(f"{name} must be in (0, 1], got {value}")
                 setattr(self, name, float(value))
 
+    def set_rotation(self, keys: bool, values: bool) -> None:
+        """Rotate keys / values of heads stored below INT8 from now on (see :mod:`kvguard.rotation`)."""
+        self.key_rotation, self.value_rotation = bool(keys), bool(values)
+
     def set_static_scales(self, key_absmax: torch.Tensor | None, value_absmax: torch.Tensor | None) -> None:
         """Calibrated INT8 ``absmax`` per KV head and channel (``[H_kv, D]``), used by ``int8`` heads."""
         for t in (key_absmax, value_absmax):
@@ -188,12 +198,15 @@ class KVGuardLayer(CacheLayerMixin):
                 layout.append(_PartLayout(tuple(heads), precision, None, None))
                 continue
             static = precision is Precision.INT8
+            low = precision.bits < 8  # INT8 is near-lossless already; its static scales are unrotated
             layout.append(
                 _PartLayout(
                     tuple(heads),
                     precision,
                     QuantSpec(precision, Axis.CHANNEL, g, self.key_clip, static and self.key_absmax is not None),
                     QuantSpec(precision, Axis.TOKEN, g, self.value_clip, static and self.value_absmax is not None),
+                    low and self.key_rotation,
+                    low and self.value_rotation,
                 )
             )
         return tuple(layout)
@@ -214,32 +227,41 @@ class KVGuardLayer(CacheLayerMixin):
         current run."""
         layout = self._layout()
         if not self._runs or self._runs[-1].layout != layout:
-            parts = [_Part(pl, torch.tensor(pl.heads, device=self.device)) for pl in layout]
+            parts = [self._new_part(pl) for pl in layout]
             self._runs.append(_Run(layout, parts))
         run = self._runs[-1]
         for part in run.parts:
             pl = part.layout
             k = keys if len(pl.heads) == self.num_heads else keys.index_select(1, part.index)
             v = values if len(pl.heads) == self.num_heads else values.index_select(1, part.index)
-            k_new = self._encode(k, pl.key_spec, pl.key_spec and self._static_absmax(self.key_absmax, pl.key_spec, part.index))
+            k_in = rotation.rotate(k, part.rotation) if pl.key_rotated else k
+            v_in = rotation.rotate(v, part.rotation) if pl.value_rotated else v
+            k_new = self._encode(k_in, pl.key_spec, pl.key_spec and self._static_absmax(self.key_absmax, pl.key_spec, part.index))
             v_new = self._encode(
-                v, pl.value_spec, pl.value_spec and self._static_absmax(self.value_absmax, pl.value_spec, part.index)
+                v_in, pl.value_spec, pl.value_spec and self._static_absmax(self.value_absmax, pl.value_spec, part.index)
             )
             part.keys = k_new if part.keys is None else _cat(part.keys, k_new)
             part.values = v_new if part.values is None else _cat(part.values, v_new)
             if self.track_error and pl.key_spec is not None:
-                self._track(part, first, (k, v), (k_new, v_new))
+                self._track(part, first, (k, v), (_read_new(part, k_new, True), _read_new(part, v_new, False)))
         run.length += keys.shape[-2]
         self.stored_last_update = True
+
+    def _new_part(self, pl: _PartLayout) -> _Part:
+        index = torch.tensor(pl.heads, device=self.device)
+        r = None
+        if pl.key_rotated or pl.value_rotated:
+            r = rotation.rotation(self.head_dim, self.num_heads, self.layer_idx, self.device).index_select(0, index)
+        return _Part(pl, index, rotation=r)
 
     def _track(self, part: _Part, first: int, originals, encoded) -> None:
         """Record the evidence a quantization leaves: per-position relative error, values outside the
         calibrated range, and the running range of what was quantized."""
         n = originals[0].shape[-2]
         self._error = _grow(self._error, self.num_heads, first + n, self.device)
-        for i, (x, q, absmax) in enumerate(zip(originals, encoded, (self.key_absmax, self.value_absmax))):
+        for i, (x, x_read, absmax) in enumerate(zip(originals, encoded, (self.key_absmax, self.value_absmax))):
             x = x.float()
-            err = (q.dequantize(torch.float32) - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)  # [B, h, n]
+            err = (x_read - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)  # [B, h, n]
             self._error[part.index, first:first + n, i] = err.mean(0)
             amax = x.abs().amax((0, 2))  # [h, D]
             if self.running_absmax[i] is None:
@@ -296,13 +318,13 @@ class KVGuardLayer(CacheLayerMixin):
     def _run_tensors(self, run: _Run, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if len(run.parts) == 1:
             part = run.parts[0]
-            return _decode(part.keys, dtype), _decode(part.values, dtype)
+            return _read(part, True, dtype), _read(part, False, dtype)
         shape = (self.batch_size, self.num_heads, run.length, self.head_dim)
         k = torch.empty(shape, dtype=dtype, device=self.device)
         v = torch.empty(shape, dtype=dtype, device=self.device)
         for part in run.parts:
-            k.index_copy_(1, part.index, _decode(part.keys, dtype))
-            v.index_copy_(1, part.index, _decode(part.values, dtype))
+            k.index_copy_(1, part.index, _read(part, True, dtype))
+            v.index_copy_(1, part.index, _read(part, False, dtype))
         return k, v
 
     def materialize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,7 +430,10 @@ class KVGuardLayer(CacheLayerMixin):
         total = sum(_nbytes(t) for t in (self._sinks_k, self._sinks_v, self._win_k, self._win_v))
         total += sum(part.nbytes() for run in self._runs for part in run.parts)
         total += sum(_nbytes(t) for t in (self._overlay_pos, self._overlay_k, self._overlay_v))
-        return total
+        # A rotated side costs its sign bits (rebuilt here from a seed; an engine without it would store them).
+        sides = {side for run in self._runs for part in run.parts
+                 for side, on in (("k", part.layout.key_rotated), ("v", part.layout.value_rotated)) if on}
+        return total + len(sides) * rotation.sign_bytes(self.head_dim, self.num_heads)
 
     def reference_tokens(self) -> int:
         """Tokens an FP16 cache of this layer type would hold now."""
@@ -539,6 +564,22 @@ def _cat(a, b):
 
 def _decode(t, dtype: torch.dtype) -> torch.Tensor:
     return t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t.to(dtype)
+
+
+def _read_new(part: _Part, encoded: QuantizedTensor, keys: bool) -> torch.Tensor:
+    """Freshly encoded tokens as they will be read (float32), for the error evidence."""
+    rotated = part.layout.key_rotated if keys else part.layout.value_rotated
+    x = encoded.dequantize(torch.float32)
+    return rotation.unrotate(x, part.rotation) if rotated else x
+
+
+def _read(part: _Part, keys: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A part's stored keys or values as the model sees them: dequantized, rotated back when stored rotated."""
+    rotated = part.layout.key_rotated if keys else part.layout.value_rotated
+    stored = part.keys if keys else part.values
+    if not rotated:
+        return _decode(stored, dtype)
+    return rotation.unrotate(_decode(stored, torch.float32), part.rotation).to(dtype)
 
 
 def _drop(t, tokens: int):

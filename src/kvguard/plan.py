@@ -6,7 +6,7 @@ describes a method exactly whichever way it is evaluated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,11 +17,14 @@ from kvguard.precision import Precision
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One layer: a precision per KV head and the clipping ratios of its quantization ranges."""
+    """One layer: a precision per KV head, the clipping ratios of its quantization ranges, and whether its
+    keys / values are Hadamard-rotated before quantization (heads below INT8 only; :mod:`kvguard.rotation`)."""
 
     precision: tuple[Precision, ...]
     key_clip: float = 1.0
     value_clip: float = 1.0
+    key_rotation: bool = False
+    value_rotation: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", tuple(Precision.parse(p) for p in self.precision))
@@ -91,9 +94,15 @@ class Plan:
         cache = KVGuardCache(arch, [lp.uniform or lp.precision for lp in self.layers], self.cache)
         for i, (layer, lp) in enumerate(zip(cache.layers, self.layers)):
             layer.set_clip(lp.key_clip, lp.value_clip)
+            layer.set_rotation(lp.key_rotation, lp.value_rotation)
             if scales is not None:
                 layer.set_static_scales(scales.key_absmax[i], scales.value_absmax[i])
         return cache
+
+    def with_rotation(self, keys: bool, values: bool) -> "Plan":
+        """This plan with every layer's key / value rotation set."""
+        layers = tuple(replace(lp, key_rotation=keys, value_rotation=values) for lp in self.layers)
+        return Plan(layers, self.cache)
 
     def replace_layer(self, index: int, layer: LayerPlan) -> "Plan":
         """This plan with layer ``index`` replaced."""
@@ -102,11 +111,13 @@ class Plan:
         return Plan(tuple(layers), self.cache)
 
     def summary(self) -> str:
-        """One token per layer: its tier, or the per-head tiers joined by ``/``; ``c`` marks a key clip < 1."""
+        """One token per layer: its tier, or the per-head tiers joined by ``/``; ``c`` marks a key clip < 1,
+        ``rk`` / ``rv`` rotated keys / values."""
         out = []
         for i, lp in enumerate(self.layers):
             tiers = lp.uniform.value if lp.uniform else "/".join(p.value for p in lp.precision)
-            out.append(f"{i}:{tiers}" + (f"c{lp.key_clip:g}" if lp.key_clip < 1 else ""))
+            marks = (f"c{lp.key_clip:g}" if lp.key_clip < 1 else "") + ("rk" if lp.key_rotation else "")
+            out.append(f"{i}:{tiers}" + marks + ("rv" if lp.value_rotation else ""))
         return " ".join(out)
 
     def precision_counts(self) -> dict[str, int]:
@@ -120,16 +131,24 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "cache": self.cache.to_dict(),
-            "layers": [
-                {"precision": [p.value for p in lp.precision], "key_clip": lp.key_clip, "value_clip": lp.value_clip}
-                for lp in self.layers
-            ],
+            "layers": [_layer_dict(lp) for lp in self.layers],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
         layers = tuple(
-            LayerPlan(tuple(entry["precision"]), entry.get("key_clip", 1.0), entry.get("value_clip", 1.0))
+            LayerPlan(tuple(entry["precision"]), entry.get("key_clip", 1.0), entry.get("value_clip", 1.0),
+                      bool(entry.get("key_rotation", False)), bool(entry.get("value_rotation", False)))
             for entry in data["layers"]
         )
         return cls(layers, CacheConfig.from_dict(data.get("cache", {})))
+
+
+def _layer_dict(lp: LayerPlan) -> dict:
+    out = {"precision": [p.value for p in lp.precision], "key_clip": lp.key_clip, "value_clip": lp.value_clip}
+    # Written only when set, so plans without rotation read exactly as before.
+    if lp.key_rotation:
+        out["key_rotation"] = True
+    if lp.value_rotation:
+        out["value_rotation"] = True
+    return out

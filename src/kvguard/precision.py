@@ -11,12 +11,14 @@ class Precision(str, Enum):
     - ``FP16``: unquantized, IEEE half (or the model's own dtype, see ``CacheConfig.fp_dtype``).
     - ``INT8``: symmetric, ``q = clamp(round(x / s), -127, 127)``, ``s = clip * absmax / 127``.
     - ``INT4``: asymmetric with a zero point, 16 levels, two codes per byte.
+    - ``INT3``: asymmetric with a zero point, 8 levels, eight codes per three bytes (the tier between).
     - ``INT2``: asymmetric with a zero point, 4 levels, four codes per byte (the aggressive tier).
     """
 
     FP16 = "fp16"
     INT8 = "int8"
     INT4 = "int4"
+    INT3 = "int3"
     INT2 = "int2"
 
     @classmethod
@@ -32,7 +34,7 @@ class Precision(str, Enum):
 
     @property
     def bits(self) -> int:
-        return {"fp16": 16, "int8": 8, "int4": 4, "int2": 2}[self.value]
+        return {"fp16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2}[self.value]
 
     @property
     def is_quantized(self) -> bool:
@@ -40,7 +42,7 @@ class Precision(str, Enum):
 
     @property
     def symmetric(self) -> bool:
-        """INT8 is symmetric (no zero point); INT4 and INT2 are asymmetric."""
+        """INT8 is symmetric (no zero point); INT4, INT3 and INT2 are asymmetric."""
         return self is Precision.INT8
 
     def higher(self) -> "Precision":
@@ -54,4 +56,4 @@ class Precision(str, Enum):
         return order[max(order.index(self) - 1, 0)]
 
 
-_ORDER = [Precision.INT2, Precision.INT4, Precision.INT8, Precision.FP16]
+_ORDER = [Precision.INT2, Precision.INT3, Precision.INT4, Precision.INT8, Precision.FP16]

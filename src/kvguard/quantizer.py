@@ -15,7 +15,7 @@ float16-rounded values, so that dequantization uses exactly the numbers quantiza
 - INT8, symmetric: ``s = clip * absmax / 127``, ``q = clamp(round(x / s), -127, 127)``, ``x' = q * s``.
   ``absmax`` is the group's own (dynamic) or given by calibration (static, any shape that broadcasts to
   ``x``; then ``scale`` keeps that shape and is shared by every token).
-- INT4 / INT2, asymmetric: the group's ``[min, max]`` (shrunk about its centre by ``clip``) is mapped onto
+- INT4 / INT3 / INT2, asymmetric: the group's ``[min, max]`` (shrunk about its centre by ``clip``) is mapped onto
   ``2**bits`` levels: ``s = (max - min) / (2**bits - 1)``, ``z = min`` (the value of code 0),
   ``q = clamp(round((x - z) / s), 0, 2**bits - 1)``, ``x' = q * s + z``.
 
@@ -51,7 +51,7 @@ class QuantSpec:
     """How to quantize one tensor.
 
     Attributes:
-        precision: ``int8``, ``int4`` or ``int2``.
+        precision: ``int8``, ``int4``, ``int3`` or ``int2``.
         axis: ``channel`` (keys) or ``token`` (values).
         group_size: elements sharing a scale (tokens for ``channel``, channels for ``token``).
         clip: fraction of the observed range kept; values beyond it saturate. ``1.0`` keeps the full range.
@@ -67,7 +67,7 @@ class QuantSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision.parse(self.precision))
         if not self.precision.is_quantized:
-            raise ValueError("QuantSpec needs an integer precision [int8, int4, int2], got fp16")
+            raise ValueError("QuantSpec needs an integer precision [int8, int4, int3, int2], got fp16")
         try:
             object.__setattr__(self, "axis", Axis(self.axis))
         except ValueError:
@@ -89,10 +89,10 @@ class QuantizedTensor:
     """Codes plus what is needed to decode them.
 
     Attributes:
-        qdata: ``int8`` codes for INT8; for INT4 / INT2 ``uint8`` bytes packed along the last (channel)
+        qdata: ``int8`` codes for INT8; for INT4 / INT3 / INT2 ``uint8`` bytes packed along the last (channel)
             axis by :mod:`kvguard.packing` (low bits first).
         scale: float16, group shape (see module docstring), or the calibrated shape when ``spec.static``.
-        zero_point: float16, same shape as ``scale``, for INT4 / INT2; ``None`` for INT8.
+        zero_point: float16, same shape as ``scale``, for INT4 / INT3 / INT2; ``None`` for INT8.
         spec: the :class:`QuantSpec` used.
         shape: shape of the original tensor ``[..., T, D]``.
     """

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from kvguard import attention
+from kvguard import attention, rotation
 from kvguard.architecture import Architecture
 from kvguard.plan import Plan, StaticScales
 from kvguard.precision import Precision
@@ -46,10 +46,11 @@ def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tens
 
 
 def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axis, group_size: int,
-                    clip: float, absmax: torch.Tensor | None = None) -> torch.Tensor:
+                    clip: float, absmax: torch.Tensor | None = None, rot: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[B, H, T, D]`` with positions ``[start, end)`` replaced by their quantize-dequantize values,
     each KV head at its own precision (fp16 heads unchanged; int8 heads with the calibrated ``absmax``
-    ``[H, D]`` when given)."""
+    ``[H, D]`` when given; heads below INT8 through the ``[H, D, D]`` rotation ``rot`` when given, as the
+    cache stores them)."""
     out = x.clone()
     if end <= start:
         return out
@@ -58,7 +59,13 @@ def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axi
             static = precision is Precision.INT8 and absmax is not None
             spec = QuantSpec(precision, axis, group_size, clip, static)
             amax = absmax[h].view(1, 1, 1, -1) if static else None  # one scale per channel, shared by tokens
-            out[:, h:h + 1, start:end] = quantize(x[:, h:h + 1, start:end], spec, amax).dequantize(x.dtype)
+            part = x[:, h:h + 1, start:end]  # [B, 1, T', D]
+            if rot is not None and precision.bits < 8:
+                r = rot[h:h + 1]
+                read = rotation.unrotate(quantize(rotation.rotate(part, r), spec).dequantize(torch.float32), r)
+                out[:, h:h + 1, start:end] = read.to(x.dtype)
+            else:
+                out[:, h:h + 1, start:end] = quantize(part, spec, amax).dequantize(x.dtype)
     return out
 
 
@@ -81,8 +88,13 @@ class _SimulationHook:
         k_fp, v_fp = key.to(fp_dtype).to(torch.float32), value.to(fp_dtype).to(torch.float32)
         end, switch = quantize_switch_points(t, plan)
         s, g = plan.cache.sinks, plan.cache.group_size
-        k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax)
-        v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, g, lp.value_clip, v_absmax)
+        rot = None
+        if lp.key_rotation or lp.value_rotation:
+            rot = rotation.rotation(key.shape[-1], key.shape[1], layer_idx, key.device)
+        k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax,
+                              rot if lp.key_rotation else None)
+        v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, g, lp.value_clip, v_absmax,
+                              rot if lp.value_rotation else None)
         rep = query.shape[1] // key.shape[1]
 
         q32 = query.to(torch.float32)

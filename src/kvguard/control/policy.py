@@ -317,9 +317,22 @@ def _cool_down(work: _Work) -> bool:
     return True
 
 
+# The loop steps between the tiers its thresholds were tuned on. INT3 is a storage tier calibration may choose;
+# an INT3 head steps up to INT4 and down to INT2, and nothing is promoted into INT3.
+_LADDER = (Precision.INT2, Precision.INT4, Precision.INT8, Precision.FP16)
+
+
+def _up(p: Precision) -> Precision:
+    return next((t for t in _LADDER if t.bits > p.bits), p)
+
+
+def _down(p: Precision) -> Precision:
+    return next((t for t in reversed(_LADDER) if t.bits < p.bits), p)
+
+
 def _raise(precision: Precision, tiers: int) -> Precision:
     for _ in range(tiers):
-        precision = precision.higher()
+        precision = _up(precision)
     return precision
 
 
@@ -334,7 +347,7 @@ def _dynamic_precision(work: _Work, risk: Sequence[float]) -> bool:
         heads, floor = work.tiers[l], work.state.floor[l]
         ceiling = [_raise(f, cfg.max_promotion_tiers) for f in floor]
         if work.high[l] >= cfg.promote_steps and any(p.bits < c.bits for p, c in zip(heads, ceiling)):
-            work.tiers[l] = tuple(p.higher() if p.bits < c.bits else p for p, c in zip(heads, ceiling))
+            work.tiers[l] = tuple(_up(p) if p.bits < c.bits else p for p, c in zip(heads, ceiling))
             work.high[l] = 0
             work.decisions.append(Decision(Action.PRECISION_UP, Alarm.RISK, (l,), work.level,
                                            precision=work.tiers[l], risk=float(r)))
@@ -344,7 +357,7 @@ def _dynamic_precision(work: _Work, risk: Sequence[float]) -> bool:
               and any(p.bits > f.bits for p, f in zip(heads, floor))):
             # Each demotion of a layer doubles the wait before its next one: its risk is low partly because it
             # was promoted, and a layer that keeps coming back must not flap.
-            work.tiers[l] = tuple(p.lower() if p.bits > f.bits else p for p, f in zip(heads, floor))
+            work.tiers[l] = tuple(_down(p) if p.bits > f.bits else p for p, f in zip(heads, floor))
             work.low[l] = 0
             work.demotions[l] += 1
             work.decisions.append(Decision(Action.PRECISION_DOWN, Alarm.RISK, (l,), work.level,

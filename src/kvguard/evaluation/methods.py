@@ -1,8 +1,11 @@
 """The KV-cache methods ``kvguard eval`` compares, by name.
 
 - ``fp16``: the reference, an unquantized KVGuardCache storing float16.
-- ``int8`` / ``int4``: kvguard's quantizers on every layer, no calibration, default layout
+- ``int8`` / ``int4`` / ``int3`` / ``int2``: kvguard's quantizers on every layer, no calibration, default layout
   (:class:`~kvguard.config.CacheConfig`: 4 sinks, FP window 64, group 32).
+- ``<static method>+rot`` / ``+rotk`` / ``+rotv``: that plan with the Hadamard rotation
+  (:mod:`kvguard.rotation`) on keys and values / keys only / values only of every layer below INT8, e.g.
+  ``int3+rotv`` or ``kvguard@0.25+rot``.
 - ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
@@ -108,6 +111,8 @@ METHODS: dict[str, Method] = {
         Method("int8", "kvguard INT8 on every layer (symmetric, dynamic scales), 4 sinks, FP window 64, group 32",
                _uniform("int8")),
         Method("int4", "kvguard INT4 on every layer (asymmetric), 4 sinks, FP window 64, group 32", _uniform("int4")),
+        Method("int3", "kvguard INT3 on every layer (asymmetric, 8 codes per 3 bytes), 4 sinks, FP window 64, "
+               "group 32", _uniform("int3")),
         Method("int2", "kvguard INT2 on every layer (asymmetric), 4 sinks, FP window 64, group 32", _uniform("int2")),
         Method("kivi-4", "KIVI recipe, 4 bits: keys per channel, values per token, group 32, FP window 128",
                _uniform("int4", KIVI)),
@@ -178,9 +183,29 @@ def fp8_method(name: str, profile) -> Method:
     return Method(name, f"{description} ({profile.model_name} profile)", fp8=fp8_scales(profile, **kwargs))
 
 
+# ``+<modifier>`` -> (rotate keys, rotate values).
+ROTATIONS = {"rot": (True, True), "rotk": (True, False), "rotv": (False, True)}
+
+
+def rotated_method(name: str, profile=None) -> Method:
+    """``<static method>+rot|rotk|rotv``: that method's plan with keys and/or values rotated."""
+    base_name, modifier = name.rsplit("+", 1)
+    if modifier not in ROTATIONS:
+        raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are [{', '.join(ROTATIONS)}]")
+    base = get(base_name, profile)
+    if not base.simulatable:
+        raise ValueError(f"{name!r}: rotation applies to a static kvguard plan; {base_name!r} is not one")
+    keys, values = ROTATIONS[modifier]
+    side = {"rot": "keys and values", "rotk": "keys", "rotv": "values"}[modifier]
+    return Method(name, f"{base.description}; Hadamard-rotated {side}",
+                  lambda arch: base.plan(arch).with_rotation(keys, values), scales=base.scales)
+
+
 def get(name: str, profile=None) -> Method:
     """The method called ``name`` (profile methods from ``profile``); ``ValueError`` listing the valid names
     otherwise."""
+    if "+" in name and not name.startswith(LIVE):
+        return rotated_method(name, profile)
     if name in FP8_METHODS:
         if profile is None:
             raise ValueError(f"method {name!r} needs a calibration profile: pass --profile (its scales are what "
@@ -198,7 +223,8 @@ def get(name: str, profile=None) -> Method:
         return METHODS[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard, kvguard@<bytes>, "
-                         f"kvguard-live, kvguard-live:<static method>, {', '.join(FP8_METHODS)}]") from None
+                         f"kvguard-live, kvguard-live:<static method>, {', '.join(FP8_METHODS)}, "
+                         f"<static method>+rot|rotk|rotv]") from None
 
 
 def live_method(name: str, profile) -> Method:
