@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from kvguard import cli
+from kvguard.entropy import EntropyBaseline
 from kvguard.plan import LayerPlan, Plan
 from kvguard.profile import Profile
 from kvguard.serving import engine_check, served_model
@@ -35,6 +36,9 @@ def tiny(tmp_path_factory):
     model.save_pretrained(root / "sharded", max_shard_size="100KB")
     gen = torch.Generator().manual_seed(0)
     tensors = {f"calibrated.{kv}.absmax": torch.rand(2, 2, 16, generator=gen) * 5 + 0.5 for kv in ("key", "value")}
+    # The loader checks a profile whole: it needs the entropy baseline too.
+    tensors.update(EntropyBaseline(*(torch.rand(2, 4, 3, generator=gen) for _ in range(3)),
+                                   torch.rand(2, 4, generator=gen)).tensors())
     plan = Plan((LayerPlan(("int8", "int8")), LayerPlan(("int4", "fp16"))))
     profile = Profile(profile_meta(plan, name="tiny", head_dim=16), tensors)
     profile.save(root / "profile")
