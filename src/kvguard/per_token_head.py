@@ -40,6 +40,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvguard.architecture import Architecture
+from kvguard.fp8 import parse_choice
 
 INT8_MAX, INT8_MIN = 127.0, -128.0
 INT4_LEVELS = 15.0
@@ -58,11 +59,7 @@ class TokenHeadFormat(str, Enum):
 
     @classmethod
     def parse(cls, value: "TokenHeadFormat | str") -> "TokenHeadFormat":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"per-token-head format has to be one of [{', '.join(m.value for m in cls)}] but got "
-                             f"{value!r}") from None
+        return parse_choice(cls, value, "per-token-head format")
 
     def bytes_per_vector(self, head_dim: int) -> int:
         """Bytes one token's K (or V) vector of one head takes: codes plus the float32 scale."""

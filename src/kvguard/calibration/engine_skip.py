@@ -23,7 +23,7 @@ from kvguard.architecture import Architecture
 from kvguard.calibration.heldout import HeldOut
 from kvguard.calibration.sensitivity import Sensitivity
 from kvguard.evaluation.scoring import score_stream
-from kvguard.fp8 import FP8Scales, fp8_scales
+from kvguard.fp8 import FP8Scales, fp8_scales, parse_choice
 from kvguard.per_token_head import TokenHeadCache, TokenHeadFormat
 
 ONE_PASS = 256  # the engine caches are chunk-invariant: long chunks score chunk-1 decoding exactly
@@ -38,11 +38,7 @@ class EngineDtype(str, Enum):
 
     @classmethod
     def parse(cls, value: "EngineDtype | str") -> "EngineDtype":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"engine KV dtype has to be one of [{', '.join(m.value for m in cls)}] but got "
-                             f"{value!r}") from None
+        return parse_choice(cls, value, "engine KV dtype")
 
     def bytes_per_vector(self, head_dim: int) -> int:
         """Bytes one token's K (or V) vector of one KV head takes in the engine's cache."""
