@@ -246,7 +246,24 @@ class FP8SlidingLayer(_FP8Storage, DynamicSlidingWindowLayer):
     """A sliding-window layer of :class:`FP8Cache` (keeps the last ``sliding_window - 1`` tokens)."""
 
 
-class FP8Cache(Cache):
+class MeasuredCache(Cache):
+    """A transformers ``Cache`` whose layers count their bytes (``nbytes`` / ``fp16_nbytes``): the engine caches
+    kvguard models (this module's FP8, :mod:`kvguard.per_token_head`)."""
+
+    def nbytes(self) -> int:
+        """Measured bytes of every stored tensor (codes, scales, 16-bit skipped layers)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an FP16 cache holding the same tokens would take."""
+        return sum(layer.fp16_nbytes() for layer in self.layers)
+
+    def bytes_ratio(self) -> float:
+        ref = self.fp16_nbytes()
+        return self.nbytes() / ref if ref else 1.0
+
+
+class FP8Cache(MeasuredCache):
     """A ``transformers`` cache that stores K/V the way an engine's static FP8-E4M3 cache does.
 
     Args:
@@ -266,17 +283,6 @@ class FP8Cache(Cache):
                 layers.append(FP8Layer(scales.layer(idx), scales.rounding))
         super().__init__(layers=layers)
 
-    def nbytes(self) -> int:
-        """Measured bytes of every stored tensor: codes, float16 skipped layers, scales."""
-        return sum(layer.nbytes() for layer in self.layers)
-
-    def fp16_nbytes(self) -> int:
-        """Bytes an FP16 cache holding the same tokens would take."""
-        return sum(layer.fp16_nbytes() for layer in self.layers)
-
-    def bytes_ratio(self) -> float:
-        ref = self.fp16_nbytes()
-        return self.nbytes() / ref if ref else 1.0
 
 
 def describe(scales: FP8Scales) -> str:

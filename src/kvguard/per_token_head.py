@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvguard.architecture import Architecture
-from kvguard.fp8 import parse_choice
+from kvguard.fp8 import MeasuredCache, parse_choice
 
 INT8_MAX, INT8_MIN = 127.0, -128.0
 INT4_LEVELS = 15.0
@@ -203,7 +203,7 @@ class TokenHeadSlidingLayer(_TokenHeadStorage, DynamicSlidingWindowLayer):
     """A sliding-window layer of :class:`TokenHeadCache` (keeps the last ``sliding_window - 1`` tokens)."""
 
 
-class TokenHeadCache(Cache):
+class TokenHeadCache(MeasuredCache):
     """A ``transformers`` cache that stores K/V the way vLLM's per-token-head cache does.
 
     Args:
@@ -228,14 +228,3 @@ class TokenHeadCache(Cache):
                 layers.append(TokenHeadLayer(layer_fmt))
         super().__init__(layers=layers)
 
-    def nbytes(self) -> int:
-        """Measured bytes of every stored tensor: codes, scales, float16 skipped layers."""
-        return sum(layer.nbytes() for layer in self.layers)
-
-    def fp16_nbytes(self) -> int:
-        """Bytes an FP16 cache holding the same tokens would take."""
-        return sum(layer.fp16_nbytes() for layer in self.layers)
-
-    def bytes_ratio(self) -> float:
-        ref = self.fp16_nbytes()
-        return self.nbytes() / ref if ref else 1.0
