@@ -17,7 +17,7 @@ def _hadamard_entry(i: int, j: int) -> int:
 
 @pytest.mark.parametrize("d", [16, 64, 256])
 def test_rotation_is_a_signed_normalized_hadamard(d):
-    r = rotation.rotation(d, 3, layer=5)
+    r = rotation.matrix(d, 3, layer=5)
     assert r.shape == (3, d, d) and r.dtype == torch.float32
     eye = torch.eye(d).expand(3, d, d)
     assert torch.allclose(r @ r.transpose(-1, -2), eye, atol=1e-5)
@@ -27,19 +27,35 @@ def test_rotation_is_a_signed_normalized_hadamard(d):
     assert torch.equal(signs, signs[:, :, :1].expand_as(signs))
     # Heads get different signs; the same (layer) gives the same matrix in every process.
     assert not torch.equal(signs[0], signs[1])
-    assert torch.equal(r, rotation.rotation(d, 3, layer=5))
-    assert not torch.equal(r, rotation.rotation(d, 3, layer=6))
+    assert torch.equal(r, rotation.matrix(d, 3, layer=5))
+    assert not torch.equal(r, rotation.matrix(d, 3, layer=6))
+    # The butterfly transform the cache uses is that matrix.
+    x = torch.randn(2, 3, 5, d, generator=torch.Generator().manual_seed(d))
+    s = rotation.signs(d, 3, layer=5)
+    assert torch.allclose(rotation.rotate(x, s), x @ r, atol=1e-5)
+    assert torch.allclose(rotation.unrotate(x, s), x @ r.transpose(-1, -2), atol=1e-5)
+
+
+def test_rotation_is_the_same_bit_for_bit_whatever_the_batch_shape():
+    # The cache rotates a group of heads and tokens at a time, the simulation one head and all tokens: both
+    # must produce the same numbers, or a quantization bin flips between them.
+    x = torch.randn(2, 3, 40, 64, generator=torch.Generator().manual_seed(4))
+    s = rotation.signs(64, 3, layer=2)
+    whole = rotation.rotate(x, s)
+    for h in range(3):
+        assert torch.equal(rotation.rotate(x[:, h:h + 1, 8:24], s[h:h + 1]), whole[:, h:h + 1, 8:24])
+    assert torch.equal(rotation.unrotate(whole[:1, 1:], s[1:]), rotation.unrotate(whole, s)[:1, 1:])
 
 
 def test_non_power_of_two_head_dim_is_refused():
     with pytest.raises(ValueError, match="power-of-two head_dim, got 96"):
-        rotation.rotation(96, 1, layer=0)
+        rotation.signs(96, 1, layer=0)
 
 
 def test_rotate_then_unrotate_is_identity_up_to_float_rounding():
     x = torch.randn(2, 3, 40, 64, generator=torch.Generator().manual_seed(0)) * 5
-    r = rotation.rotation(64, 3, layer=0)
-    assert torch.allclose(rotation.unrotate(rotation.rotate(x, r), r), x, atol=1e-5)
+    s = rotation.signs(64, 3, layer=0)
+    assert torch.allclose(rotation.unrotate(rotation.rotate(x, s), s), x, atol=1e-5)
 
 
 def _stream(layer: KVGuardLayer, k: torch.Tensor, v: torch.Tensor):
@@ -56,7 +72,7 @@ def test_cache_stores_rotated_codes_and_reads_them_back_rotated_back(precision):
     layer = KVGuardLayer(precision, cfg, layer_idx=3)
     layer.set_rotation(True, True)
     keys, values = _stream(layer, k, v)
-    r = rotation.rotation(32, 2, layer=3)
+    r = rotation.signs(32, 2, layer=3)
     q = slice(2, 50)  # 3 groups of 16 left the window
     k_ref = rotation.unrotate(quantize(rotation.rotate(k[:, :, q], r), QuantSpec(precision, Axis.CHANNEL, 16)).dequantize(), r)
     v_ref = rotation.unrotate(quantize(rotation.rotate(v[:, :, q], r), QuantSpec(precision, Axis.TOKEN, 16)).dequantize(), r)
@@ -81,7 +97,7 @@ def test_rotation_flattens_an_outlier_channel_for_per_token_groups():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, 1, 256, 64, generator=gen)
     x[..., 7] *= 30
-    r = rotation.rotation(64, 1, layer=0)
+    r = rotation.signs(64, 1, layer=0)
     spec = QuantSpec("int4", Axis.TOKEN, 64)
     plain = (quantize(x, spec).dequantize() - x).norm()
     rotated = (rotation.unrotate(quantize(rotation.rotate(x, r), spec).dequantize(), r) - x).norm()

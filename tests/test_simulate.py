@@ -23,24 +23,26 @@ def test_switch_points_follow_the_window():
     assert switch.tolist() == [15, 15, 9, 9, 9, 12, 12, 12, 15, 15, 15, 15, 15, 15, 15]
 
 
-def _mixed_plan(arch: Architecture, cfg: CacheConfig) -> Plan:
-    # Every tier, clipped keys, and rotated keys / values on some layers (both sides on layer 1, 7, ...).
-    cycle = ["int2", "int3", "int4", "int8", "fp16"]
+def _mixed_plan(arch: Architecture, cfg: CacheConfig, low: str) -> Plan:
+    """Every tier from ``low`` up, clipped keys; with ``low`` INT3 also rotated keys / values on some layers."""
+    cycle = [low, "int4", "int8", "fp16"]
+    rotate = low == "int3"
     layers = tuple(
-        LayerPlan(tuple(cycle[(i + h) % 5] for h in range(arch.num_kv_heads)), key_clip=0.95 if i % 3 == 0 else 1.0,
-                  key_rotation=i % 2 == 1, value_rotation=i % 3 == 1)
+        LayerPlan(tuple(cycle[(i + h) % 4] for h in range(arch.num_kv_heads)), key_clip=0.95 if i % 3 == 0 else 1.0,
+                  key_rotation=rotate and i % 2 == 1, value_rotation=rotate and i % 3 == 1)
         for i in range(arch.num_layers)
     )
     return Plan(layers, cfg)
 
 
-@pytest.mark.parametrize("model_name, tokens", [("smollm2", 300), ("gemma3", 600)])
-def test_simulation_matches_chunk1_streaming(model_name, tokens, request):
+@pytest.mark.parametrize("model_name, tokens, low", [("smollm2", 300, "int2"), ("smollm2", 300, "int3"),
+                                                     ("gemma3", 600, "int2")])
+def test_simulation_matches_chunk1_streaming(model_name, tokens, low, request):
     model, tok = request.getfixturevalue(model_name)
     arch = Architecture.from_config(model.config)
     # A small window and group so most tokens switch from full precision to quantized during the stream;
     # Gemma 3 runs past its 512-token sliding window.
-    plan = _mixed_plan(arch, CacheConfig(residual=16, sinks=4, group_size=16))
+    plan = _mixed_plan(arch, CacheConfig(residual=16, sinks=4, group_size=16), low)
     ids = data.token_stream("prose", "eval", tok, tokens)
     streamed = score_stream(model, ids, plan.make_cache(model.config), chunk=1, keep_logits=True)
     simulated = score_simulated(model, ids, plan, keep_logits=True)

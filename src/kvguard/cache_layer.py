@@ -59,7 +59,7 @@ class _Part:
     index: torch.Tensor  # LongTensor of the head indices, for index_select / index_copy
     keys: "QuantizedTensor | torch.Tensor | None" = None  # [B, h, T, D]
     values: "QuantizedTensor | torch.Tensor | None" = None
-    rotation: torch.Tensor | None = None  # [h, D, D] of the part's heads, when a side is rotated
+    rotation: torch.Tensor | None = None  # [h, D] signs of the part's heads, when a side is rotated
 
     def nbytes(self) -> int:
         return _nbytes(self.keys) + _nbytes(self.values)
@@ -251,7 +251,7 @@ class KVGuardLayer(CacheLayerMixin):
         index = torch.tensor(pl.heads, device=self.device)
         r = None
         if pl.key_rotated or pl.value_rotated:
-            r = rotation.rotation(self.head_dim, self.num_heads, self.layer_idx, self.device).index_select(0, index)
+            r = rotation.signs(self.head_dim, self.num_heads, self.layer_idx, self.device).index_select(0, index)
         return _Part(pl, index, rotation=r)
 
     def _track(self, part: _Part, first: int, originals, encoded) -> None:

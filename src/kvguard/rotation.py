@@ -32,27 +32,45 @@ def _hadamard(d: int) -> torch.Tensor:
     return h
 
 
-@lru_cache(maxsize=32)
-def _matrices(head_dim: int, num_heads: int, layer: int) -> torch.Tensor:
-    h = _hadamard(head_dim) / head_dim ** 0.5
+@lru_cache(maxsize=64)
+def _signs(head_dim: int, num_heads: int, layer: int) -> torch.Tensor:
+    _hadamard(head_dim)  # refuse a head_dim the transform cannot take
     gen = torch.Generator().manual_seed(SEED + 7919 * layer)
-    signs = torch.randint(0, 2, (num_heads, head_dim, 1), generator=gen, dtype=torch.int64) * 2 - 1
-    return (signs.to(torch.float64) * h).to(torch.float32)  # [H, D, D]: row c scaled by head's sign c
+    return (torch.randint(0, 2, (num_heads, head_dim), generator=gen) * 2 - 1).to(torch.float32)
 
 
-def rotation(head_dim: int, num_heads: int, layer: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The orthonormal ``[H_kv, D, D]`` rotation of ``layer``'s KV heads (float32)."""
-    return _matrices(head_dim, num_heads, layer).to(device)
+def signs(head_dim: int, num_heads: int, layer: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``[H_kv, D]`` random signs of ``layer``'s KV heads (float32 +-1): ``R = diag(s) H / sqrt(D)``."""
+    return _signs(head_dim, num_heads, layer).to(device)
 
 
-def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """``x @ R`` per head: ``x`` ``[B, h, T, D]``, ``r`` ``[h, D, D]`` -> float32 ``[B, h, T, D]``."""
-    return torch.matmul(x.to(torch.float32), r)
+def matrix(head_dim: int, num_heads: int, layer: int) -> torch.Tensor:
+    """The orthonormal ``[H_kv, D, D]`` rotation matrices (float32), for references and engines that store them."""
+    h = _hadamard(head_dim) / head_dim ** 0.5
+    return (_signs(head_dim, num_heads, layer).to(torch.float64).unsqueeze(-1) * h).to(torch.float32)
 
 
-def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`rotate` (``x @ R.T``), float32."""
-    return torch.matmul(x.to(torch.float32), r.transpose(-1, -2))
+def _fwht(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` along the last axis (Sylvester order), by butterflies: only elementwise adds, so the result is
+    the same bit for bit whatever the batch shape (a matmul's blocking would vary the rounding)."""
+    *lead, d = x.shape
+    h = 1
+    while h < d:
+        pairs = x.reshape(*lead, d // (2 * h), 2, h)  # [..., blocks, (top, bottom), h]
+        top, bottom = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((top + bottom, top - bottom), dim=-2).reshape(*lead, d)
+        h *= 2
+    return x
+
+
+def rotate(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``x @ R`` per head: ``x`` ``[B, h, T, D]``, ``s`` the heads' ``[h, D]`` signs -> float32 ``[B, h, T, D]``."""
+    return _fwht(x.to(torch.float32) * s.unsqueeze(-2)) * x.shape[-1] ** -0.5
+
+
+def unrotate(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`rotate` (``x @ R.T``; ``H`` is symmetric), float32."""
+    return _fwht(x.to(torch.float32)) * x.shape[-1] ** -0.5 * s.unsqueeze(-2)
 
 
 def sign_bytes(head_dim: int, num_heads: int) -> int:

@@ -49,7 +49,7 @@ def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axi
                     clip: float, absmax: torch.Tensor | None = None, rot: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[B, H, T, D]`` with positions ``[start, end)`` replaced by their quantize-dequantize values,
     each KV head at its own precision (fp16 heads unchanged; int8 heads with the calibrated ``absmax``
-    ``[H, D]`` when given; heads below INT8 through the ``[H, D, D]`` rotation ``rot`` when given, as the
+    ``[H, D]`` when given; heads below INT8 through the rotation with the ``[H, D]`` signs ``rot`` when given, as the
     cache stores them)."""
     out = x.clone()
     if end <= start:
@@ -90,7 +90,7 @@ class _SimulationHook:
         s, g = plan.cache.sinks, plan.cache.group_size
         rot = None
         if lp.key_rotation or lp.value_rotation:
-            rot = rotation.rotation(key.shape[-1], key.shape[1], layer_idx, key.device)
+            rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
         k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax,
                               rot if lp.key_rotation else None)
         v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, g, lp.value_clip, v_absmax,
