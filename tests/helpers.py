@@ -15,7 +15,7 @@ def small_config(out, **kw):
     from kvguard.calibration.settings import CalibrationConfig
 
     settings = dict(samples=8, domains=("prose", "code"), max_tokens=64, batch_size=4, heldout_tokens=512,
-                    context=512, head_layers=1, latency_context=128,
+                    context=512, head_layers=1, latency_context=128, low_bit=False,
                     objective=Objective(memory_budget=0.40, max_ppl_increase=2.0))
     settings.update(kw)
     return CalibrationConfig("smollm2-135m", out, **settings)

@@ -11,8 +11,8 @@ from kvguard.architecture import Architecture
 from kvguard.plan import Plan
 from kvguard.precision import Precision
 from kvguard.profile import Candidate, PlanScore
-from kvguard.calibration.latency import LatencyModel
-from kvguard.calibration.search import Searcher, best, pareto_front
+from kvguard.calibration.latency import TIERS, LatencyModel
+from kvguard.calibration.search import INT2, INT3, Searcher, best, pareto_front
 from kvguard.calibration.sensitivity import Sensitivity
 
 
@@ -68,17 +68,70 @@ def test_allocation_puts_bytes_where_the_error_is(smollm2):
     layout = CacheConfig()
     table, ref = searcher.layer_bytes(layout)
     predicted = []
-    lo, hi = float(table[:, 3].sum() / ref.sum()), float(table[:, 0].sum() / ref.sum())  # all-INT2, all-FP16
+    names = [t.value for t in TIERS]
+    lo, hi = float(table[:, INT2].sum() / ref.sum()), float(table[:, 0].sum() / ref.sum())  # all-INT2, all-FP16
     for target in (lo + 0.1 * (hi - lo), lo + 0.3 * (hi - lo), lo + 0.6 * (hi - lo)):
         plan = searcher.allocate(costs, layout, target)
-        memory = sum(float(table[i, ["fp16", "int8", "int4", "int2"].index(lp.precision[0].value)])
+        memory = sum(float(table[i, names.index(lp.precision[0].value)])
                      for i, lp in enumerate(plan.layers)) / float(ref.sum())
         assert memory <= target + 1e-9
         # The sensitive layer is never the one sent to INT2, and gets the best tier any layer gets.
         assert plan.layers[7].precision[0] is not Precision.INT2
-        order = ["int2", "int4", "int8", "fp16"]
+        order = names[::-1]
         assert all(order.index(plan.layers[7].precision[0].value) >= order.index(p.value)
                    for lp in plan.layers for p in lp.precision)
-        predicted.append(sum(float(costs[i, h, ["fp16", "int8", "int4", "int2"].index(p.value)])
+        predicted.append(sum(float(costs[i, h, names.index(p.value)])
                              for i, lp in enumerate(plan.layers) for h, p in enumerate(lp.precision)))
     assert predicted[0] >= predicted[1] >= predicted[2]
+
+
+def _sens(arch, alone, rotated=None):
+    n = arch.num_layers
+    return Sensitivity(Precision.INT4, Precision.INT2, 0.003, alone, torch.zeros(n), alone / 10,
+                       torch.full((n, arch.num_kv_heads), float("nan")), rotated)
+
+
+def test_rotation_is_chosen_per_layer_and_side_where_it_measured_better():
+    arch = Architecture("llama", 3, 2, 2, 64, ("full_attention",) * 3, None)
+    alone = torch.tensor([0.10, 0.10, 0.10])
+    # Layer 0: rotating either side helps; layer 1: only the keys; layer 2: neither.
+    sens = _sens(arch, alone, torch.tensor([[0.06, 0.08], [0.07, 0.12], [0.11, 0.10]]))
+    assert sens.rotation() == ([True, True, False], [True, False, False])
+    # The gains add: 0.10 - 0.04 - 0.02 for layer 0; a side that hurts adds nothing.
+    assert torch.allclose(sens.aggressive_kl(), torch.tensor([0.04, 0.07, 0.10], dtype=torch.float64))
+    # Gains larger than the KL itself stop at a tenth of the best single measurement.
+    big = _sens(arch, alone, torch.tensor([[0.01, 0.01], [0.1, 0.1], [0.1, 0.1]]))
+    assert float(big.aggressive_kl()[0]) == pytest.approx(0.001)
+    plain = _sens(arch, alone)
+    assert plain.rotation() == ([False] * 3, [False] * 3) and torch.equal(plain.aggressive_kl(), alone.double())
+    restored = Sensitivity.from_parts(sens.to_dict(), sens.tensors())
+    assert torch.equal(restored.rotated_kl, sens.rotated_kl) and Sensitivity.from_parts(plain.to_dict(), plain.tensors()).rotated_kl is None
+
+
+@pytest.mark.slow
+def test_low_bit_allocation_uses_int3_and_rotates_only_low_bit_layers(smollm2):
+    model, _ = smollm2
+    arch = Architecture.from_config(model.config)
+    searcher = Searcher(model, SimpleNamespace(arch=arch), Objective(), LatencyModel({}, 0), context=512, progress=False)
+    n = arch.num_layers
+    alone = torch.linspace(0.001, 0.2, n)
+    rotated = torch.stack([alone * 0.5, alone * 1.5], 1)  # keys gain, values lose, everywhere
+    sens = _sens(arch, alone, rotated)
+    layout = CacheConfig(residual=32, group_size=64)
+    table, ref = searcher.layer_bytes(layout)
+    int2, int4 = (float(table[:, j].sum() / ref.sum()) for j in (INT2, TIERS.index(Precision.INT4)))
+    target = (int2 + int4) / 2
+    with_int3 = searcher.allocate(searcher.unit_costs(sens, 1e-5, int3_ratio=0.2), layout, target, sens.rotation())
+    without = searcher.allocate(searcher.unit_costs(sens, 1e-5), layout, target, sens.rotation())
+    counts = with_int3.precision_counts()
+    assert counts.get("int3", 0) > 0 and "int3" not in without.precision_counts()
+    for lp in with_int3.layers:
+        low = any(p.bits < 8 for p in lp.precision)
+        assert lp.key_rotation == low and not lp.value_rotation
+    # The INT3 plan predicts less error at the same budget (what lets it onto the frontier).
+    costs = searcher.unit_costs(sens, 1e-5, int3_ratio=0.2)
+
+    def predicted(plan):
+        return sum(float(costs[i, h, TIERS.index(p)]) for i, lp in enumerate(plan.layers) for h, p in enumerate(lp.precision))
+
+    assert predicted(with_int3) < predicted(without)

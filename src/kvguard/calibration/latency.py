@@ -20,7 +20,7 @@ from kvguard.config import CacheConfig
 from kvguard.plan import Plan
 from kvguard.precision import Precision
 
-TIERS = (Precision.FP16, Precision.INT8, Precision.INT4, Precision.INT2)
+TIERS = (Precision.FP16, Precision.INT8, Precision.INT4, Precision.INT3, Precision.INT2)  # most precise first
 FP16_BYTES = 2  # weights as an engine serves them
 
 

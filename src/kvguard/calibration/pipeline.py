@@ -127,7 +127,8 @@ class _Run:
 
     def sensitivity(self, heldout: HeldOut, layout, executor) -> tuple[Sensitivity, dict[str, torch.Tensor]]:
         def run():
-            sens = measure(heldout, layout, head_layers=self.cfg.head_layers, progress=self.progress, executor=executor)
+            sens = measure(heldout, layout, head_layers=self.cfg.head_layers, rotation=self.cfg.low_bit,
+                           progress=self.progress, executor=executor)
             return sens.to_dict(), sens.tensors()
 
         meta, tensors = self.stage("sensitivity", run)
@@ -138,7 +139,7 @@ class _Run:
 
     def search(self, searcher: Searcher, heldout: HeldOut, executor) -> tuple[list[Candidate], dict]:
         """Levels 1-3 and the sensitivity between them: the search log and the sensitivity tensors."""
-        level1 = self.search_stage("level1", searcher.level1)
+        level1 = self.search_stage("level1", lambda: searcher.level1(self.cfg.low_bit))
         l1_best = best(level1)
         layout = l1_best.plan.cache
         int8 = [c for c in level1 if c.plan.layers[0].uniform is Precision.INT8]
@@ -155,6 +156,8 @@ class _Run:
             for c in int4[:2]:
                 targets = level2_targets(c, self.cfg.objective, min(c.memory for c in int8))
                 out += searcher.level2(sens, c.plan.cache, int8_kl, targets)
+            if self.cfg.low_bit:
+                out += searcher.level2_low_bit(sens, int8_kl, level1)
             return out
 
         level2 = self.search_stage("level2", run_level2)

@@ -1,8 +1,10 @@
 """Hierarchical search for a mixed-precision plan.
 
-Level 1 picks the global format (INT8 / INT4 / INT2, and the cache layout); level 2 allocates a tier to every
-layer and KV head from the measured sensitivity; level 3 tunes the clipping ratio of the most sensitive
-quantized layers. Every candidate is *measured* on held-out calibration text and scored by
+Level 1 picks the global format (INT8 / INT4 / INT3 / INT2, and the cache layout); level 2 allocates a tier to
+every layer and KV head from the measured sensitivity, with each layer's keys / values Hadamard-rotated where
+the sensitivity measured that rotation helps, at memory targets from the budget down to about half of the
+all-INT4 bytes (the low-bit frontier ``kvguard@<bytes>`` picks from); level 3 tunes the clipping ratio of the
+most sensitive quantized layers. Every candidate is *measured* on held-out calibration text and scored by
 
     Score = alpha * Memory + beta * Latency + gamma * PerplexityPenalty
 
@@ -34,9 +36,17 @@ from kvguard.precision import Precision
 from kvguard.profile import Candidate
 
 # Cache layouts level 1 tries: the default (FP window 64, groups of 32), a shorter FP window, larger groups
-# (half the scale / zero-point bytes).
-LAYOUTS = {"window-64": CacheConfig(), "window-32": CacheConfig(residual=32), "group-64": CacheConfig(group_size=64)}
+# (half the scale / zero-point bytes), and both: below 3 bits the window and the scales are a third of the
+# bytes, so the low-bit frontier lives in that layout.
+LAYOUTS = {"window-64": CacheConfig(), "window-32": CacheConfig(residual=32), "group-64": CacheConfig(group_size=64),
+           "window-32 group-64": CacheConfig(residual=32, group_size=64)}
+DEFAULT_LAYOUT, LOW_BIT_LAYOUT = "window-64", "window-32 group-64"
 CLIP_GRID = (0.95, 0.9)
+# Low-bit memory targets as fractions of the default layout's all-INT4 bytes (B4), and the ones also searched
+# without rotation and without INT3 (the ablation at a fixed budget, kept in the search log).
+LOW_BIT_TARGETS = (0.85, 0.75, 0.68, 0.60, 0.52, 0.45)
+ABLATION_TARGETS = (0.75, 0.60)
+INT3, INT2 = TIERS.index(Precision.INT3), TIERS.index(Precision.INT2)
 
 
 def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
@@ -108,20 +118,31 @@ class Searcher:
         return out
 
     # ------------------------------------------------------------------ level 1
-    def level1(self) -> list[Candidate]:
-        """Global precision x cache layout (all-INT2, far from any plan worth keeping, in the default layout
-        only, as the floor of the frontier)."""
-        default = next(iter(LAYOUTS))
+    def level1(self, low_bit: bool = False) -> list[Candidate]:
+        """Global precision x cache layout: INT8 and INT4 in every layout; all-INT2 in the default layout as
+        the floor of the frontier; with ``low_bit``, all-INT3 and all-INT2 rotated in the default and the
+        low-bit layouts (their KL ratio prices INT3 in level 2)."""
         todo = [(f"L1 all-{tier.value} {lname}", 1, Plan.uniform(self.arch, tier, layout))
-                for lname, layout in LAYOUTS.items() for tier in TIERS[1:] if tier is not Precision.INT2 or lname == default]
+                for lname, layout in LAYOUTS.items() for tier in (Precision.INT8, Precision.INT4)
+                if lname != LOW_BIT_LAYOUT or low_bit]
+        todo.append((f"L1 all-int2 {DEFAULT_LAYOUT}", 1, Plan.uniform(self.arch, Precision.INT2, LAYOUTS[DEFAULT_LAYOUT])))
+        if low_bit and self.rotatable:
+            todo += [(f"L1 all-{tier.value}+rot {lname}", 1, Plan.uniform(self.arch, tier, LAYOUTS[lname]).with_rotation(True, True))
+                     for lname in (DEFAULT_LAYOUT, LOW_BIT_LAYOUT) for tier in (Precision.INT3, Precision.INT2)]
         return self.evaluate_all(todo, "search level 1")
 
+    @property
+    def rotatable(self) -> bool:
+        return self.arch.head_dim & (self.arch.head_dim - 1) == 0  # the transform needs a power-of-2 head_dim
+
     # ------------------------------------------------------------------ level 2
-    def unit_costs(self, sens: Sensitivity, int8_kl: float) -> torch.Tensor:
+    def unit_costs(self, sens: Sensitivity, int8_kl: float, int3_ratio: float | None = None) -> torch.Tensor:
         """Predicted KL ``[layers, KV heads, tiers]`` of storing one head at each tier (others FP16): FP16 0,
         INT8 an even share of the measured all-INT8 KL, INT4 a share of the measured all-INT4 KL (half by the
         KL the layer's FP16 buys back, half by its INT2 *alone* KL, which is far less noisy), INT2 the measured
-        *alone* KL; split over heads by the measured head shares."""
+        *alone* KL (with the layer's chosen rotation), INT3 that times ``int3_ratio`` (all-INT3 over all-INT2
+        KL, both rotated, measured in level 1; without it INT3 costs as much as INT2 and is never chosen);
+        split over heads by the measured head shares."""
         n_layers, n_heads = self.arch.num_layers, self.arch.num_kv_heads
         w = sens.head_weights()  # [L, H]
         costs = torch.zeros(n_layers, n_heads, len(TIERS), dtype=torch.float64)
@@ -130,12 +151,15 @@ class Searcher:
         gain = sens.gain_kl.clamp_min(0).double()
         share = 0.5 * alone / alone.sum().clamp_min(1e-12) + 0.5 * gain / gain.sum().clamp_min(1e-12)
         costs[..., 2] = max(sens.base_kl, 0.0) * share[:, None] * w
-        costs[..., 3] = sens.alone_kl.clamp_min(0).double()[:, None] * w
+        costs[..., INT2] = sens.aggressive_kl()[:, None] * w
+        costs[..., INT3] = costs[..., INT2] * (1.0 if int3_ratio is None else min(max(int3_ratio, 0.0), 1.0))
         return costs.cummax(dim=-1).values  # a lower tier never predicts less error than a higher one
 
-    def allocate(self, costs: torch.Tensor, layout: CacheConfig, memory: float) -> Plan:
+    def allocate(self, costs: torch.Tensor, layout: CacheConfig, memory: float,
+                 rotation: tuple[list[bool], list[bool]] | None = None) -> Plan:
         """The plan with the least predicted KL whose predicted memory is at most ``memory`` (Lagrangian
-        relaxation: each head takes the tier minimising ``cost + lambda * bytes``; ``lambda`` by bisection)."""
+        relaxation: each head takes the tier minimising ``cost + lambda * bytes``; ``lambda`` by bisection).
+        ``rotation``: per layer, whether its keys / values are rotated (where a head is below INT8)."""
         table, ref = self.layer_bytes(layout)
         per_head = (table / self.arch.num_kv_heads)[:, None, :].expand_as(costs)  # [L, H, tiers]
         budget = memory * float(ref.sum())
@@ -155,21 +179,50 @@ class Searcher:
                 lo = mid
             else:
                 hi = mid
-        choice = assign(hi)
-        layers = tuple(LayerPlan(tuple(TIERS[int(c)] for c in row)) for row in choice)
-        return Plan(layers, layout)
+        keys, values = rotation or ([False] * self.arch.num_layers,) * 2
+        layers = []
+        for i, row in enumerate(assign(hi)):
+            tiers = tuple(TIERS[int(c)] for c in row)
+            low = any(t.bits < 8 for t in tiers)
+            layers.append(LayerPlan(tiers, key_rotation=keys[i] and low, value_rotation=values[i] and low))
+        return Plan(tuple(layers), layout)
 
-    def level2(self, sens: Sensitivity, layout: CacheConfig, int8_kl: float, targets: list[float]) -> list[Candidate]:
-        costs = self.unit_costs(sens, int8_kl)
+    def level2(self, sens: Sensitivity, layout: CacheConfig, int8_kl: float, targets: list[float], *,
+               int3_ratio: float | None = None, rotate: bool = False, label: str = "") -> list[Candidate]:
+        """Plans allocated at each memory target in ``layout``; ``int3_ratio`` lets INT3 in (see
+        :meth:`unit_costs`), ``rotate`` applies the sensitivity's per-layer rotation choice."""
+        costs = self.unit_costs(sens, int8_kl, int3_ratio)
+        rotation = sens.rotation() if rotate else None
         name = next(n for n, c in LAYOUTS.items() if c == layout) if layout in LAYOUTS.values() else "custom"
         todo, seen = [], set()
         for target in targets:
-            plan = self.allocate(costs, layout, target)
+            plan = self.allocate(costs, layout, target, rotation)
             key = str(plan.to_dict())
             if key not in seen:
                 seen.add(key)
-                todo.append((f"L2 mixed {name}, predicted memory <= {target:.3f}", 2, plan))
+                todo.append((f"L2 mixed {name}{label}, predicted memory <= {target:.3f}", 2, plan))
         return self.evaluate_all(todo, "search level 2")
+
+    def level2_low_bit(self, sens: Sensitivity, int8_kl: float, level1: list[Candidate]) -> list[Candidate]:
+        """The low-bit frontier: tiers down to INT2, with INT3 and rotation, at :data:`LOW_BIT_TARGETS` of the
+        default layout's all-INT4 bytes (in the default and the low-bit layouts, above each one's all-INT2
+        floor), and the same plans without rotation and without INT3 at :data:`ABLATION_TARGETS`."""
+        by_name = {c.name: c for c in level1}
+        b4 = by_name[f"L1 all-int4 {DEFAULT_LAYOUT}"].memory
+        rot3, rot2 = (by_name.get(f"L1 all-{t}+rot {DEFAULT_LAYOUT}") for t in ("int3", "int2"))
+        ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
+        rotate = self.rotatable
+        out = []
+        for lname in (DEFAULT_LAYOUT, LOW_BIT_LAYOUT):
+            layout = LAYOUTS[lname]
+            floor = float(self.layer_bytes(layout)[0][:, INT2].sum() / self.layer_bytes(layout)[1].sum())
+            targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.005]
+            out += self.level2(sens, layout, int8_kl, targets, int3_ratio=ratio, rotate=rotate, label=" low-bit")
+        ablation = [round(f * b4, 4) for f in ABLATION_TARGETS]
+        if rotate:
+            out += self.level2(sens, LAYOUTS[LOW_BIT_LAYOUT], int8_kl, ablation, int3_ratio=ratio, label=" low-bit, no rotation")
+        out += self.level2(sens, LAYOUTS[LOW_BIT_LAYOUT], int8_kl, ablation, rotate=rotate, label=" low-bit, no int3")
+        return out
 
     # ------------------------------------------------------------------ level 3
     def level3(self, start: Candidate, sens: Sensitivity, layers: int = 2) -> list[Candidate]:

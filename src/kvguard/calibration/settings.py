@@ -30,6 +30,8 @@ class CalibrationConfig:
         head_layers: the most sensitive layers also measured per KV head.
         latency_context: the context of the latency measurement.
         seed: random seed.
+        low_bit: also search below INT4: INT3, per-layer key / value rotation, the low-bit layout, and plans
+            down to about half of the all-INT4 bytes (about twice the sensitivity stage's trials).
         objective: the score's weights and the constraints.
     """
 
@@ -44,6 +46,7 @@ class CalibrationConfig:
     head_layers: int = 4
     latency_context: int = 1024
     seed: int = 0
+    low_bit: bool = True
     objective: Objective = field(default_factory=Objective)
 
     def __post_init__(self) -> None:

@@ -39,6 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--head-layers", type=int, default=default(C, "head_layers"),
                    help="most sensitive layers also measured per KV head (default: %(default)s)")
     p.add_argument("--seed", type=int, default=default(C, "seed"), help="random seed (default: %(default)s)")
+    p.add_argument("--no-low-bit", dest="low_bit", action="store_false",
+                   help="search INT8 / INT4 / INT2 only: no INT3, no rotation, no low-bit frontier (about half the "
+                        "sensitivity stage's time)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished stage")
     p.add_argument("--monitor-only", action="store_true",
                    help="recalibrate only the run-time monitor of the existing profile at --out (plan and statistics kept)")
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     objective = _objective(args)
     cfg = CalibrationConfig(args.model, args.out, args.samples, tuple(csv(args.domains)), args.max_tokens,
                             args.batch_size, args.heldout_tokens, args.context, args.head_layers,
-                            seed=args.seed, objective=objective)
+                            seed=args.seed, low_bit=args.low_bit, objective=objective)
     if args.ray is None and (args.ray_workers is not None or args.ray_threads != 1):
         raise CommandError("--ray-workers and --ray-threads need --ray")
     ray = None if args.ray is None else RayConfig(args.ray, args.ray_workers, args.ray_threads)

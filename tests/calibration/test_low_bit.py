@@ -1,0 +1,64 @@
+"""Calibration below INT4: INT3 and per-layer rotation in the search, the low-bit frontier ``kvguard@<bytes>``
+picks from, and the ablation kept in the search log (real SmolLM2 layers, real calibration text)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvguard.calibration.pipeline import calibrate
+from kvguard.evaluation import methods
+from kvguard.precision import Precision
+from tests.helpers import small_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def low_bit(smollm2_4_layers, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lowbit") / "profile"
+    return calibrate(replace(small_config(out), model=str(smollm2_4_layers), low_bit=True), progress=False)
+
+
+def test_sensitivity_measures_rotation_per_layer_and_side(low_bit):
+    rotated = low_bit.tensors["sensitivity.rotated_kl"]
+    alone = low_bit.tensors["sensitivity.alone_kl"]
+    assert rotated.shape == (alone.numel(), 2) and bool((rotated > 0).all())
+    # Measured, not copied: rotating a side changes the layer's KL.
+    assert not torch.allclose(rotated[:, 0], alone) and not torch.allclose(rotated[:, 1], alone)
+
+
+def test_search_reaches_below_int4_with_int3_and_rotation(low_bit):
+    log = {c.name: c for c in low_bit.meta.search_log}
+    b4 = log["L1 all-int4 window-64"].memory
+    assert {"L1 all-int3+rot window-64", "L1 all-int2+rot window-32 group-64"} <= set(log)
+    low = [c for c in low_bit.meta.search_log if "low-bit" in c.name and "no " not in c.name]
+    assert low and min(c.memory for c in low) < 0.8 * b4
+    assert any(Precision.INT3 in lp.precision for c in low for lp in c.plan.layers)
+    assert any(lp.key_rotation or lp.value_rotation for c in low for lp in c.plan.layers)
+    # Rotation only where a head is below INT8 (the transform applies to those heads only).
+    for c in low:
+        for lp in c.plan.layers:
+            if lp.key_rotation or lp.value_rotation:
+                assert any(p.bits < 8 for p in lp.precision)
+    # The ablation at a fixed budget: the same targets without rotation and without INT3.
+    no_rot = [c for c in log.values() if "no rotation" in c.name]
+    no_int3 = [c for c in log.values() if "no int3" in c.name]
+    assert no_rot and no_int3
+    assert all(not (lp.key_rotation or lp.value_rotation) for c in no_rot for lp in c.plan.layers)
+    assert all(Precision.INT3 not in lp.precision for c in no_int3 for lp in c.plan.layers)
+
+
+def test_frontier_spans_low_bit_plans_and_kvguard_at_bytes_picks_them(low_bit):
+    front = low_bit.meta.frontier()
+    b4 = next(c.memory for c in low_bit.meta.search_log if c.name == "L1 all-int4 window-64")
+    memories = [c.memory for c in front]
+    assert memories == sorted(memories) and min(memories) < 0.8 * b4
+    kls = [c.quality.kl for c in front]
+    assert kls == sorted(kls, reverse=True)  # each step up in bytes buys a lower KL
+    # At a frontier point's bytes, the lowest KL is that point (the frontier's KL falls as the bytes grow).
+    for point in front[:3]:
+        assert methods.get(f"kvguard@{point.memory!r}", low_bit).plan(None) == point.plan
+    with pytest.raises(ValueError, match="no plan at or below"):
+        methods.get(f"kvguard@{front[0].memory / 2:.4f}", low_bit)
+
