@@ -107,12 +107,46 @@ def test_report_with_the_loops_timeline_renders_in_chromium(tmp_path, small_prof
     session.generate(data.token_stream("prose", "eval", tok, 300), 40)
     records = [json.loads(line) for line in events.read_text().splitlines()]
     assert records, "the loop over all-INT2 found nothing to do"
-    page = report.write(profile, tmp_path / "report", events=events)
+    # The frontier on evaluation text from a real `kvguard eval` of the profile's plans next to peers.
+    from kvguard.evaluation import harness
+
+    ids = data.token_stream("prose", "eval", tok, 200)
+    front = profile.meta.frontier()
+    names = ["int4", "int2", "kivi-2", "kvguard"] + [f"kvguard@{c.memory!r}" for c in front[:2]]
+    evaluated = tmp_path / "eval.json"
+    harness.write_json(evaluated, harness.rows_payload("smollm2-135m", 200, 1, harness.evaluate_stream(
+        model, ids, "prose", names, profile=profile, progress=False)))
+    page = report.write(profile, tmp_path / "report", events=events, evals=[evaluated])
     shot = screenshot_dir(tmp_path) / "report.png"
     dom, console = render_page(page.resolve().as_uri(), screenshot=shot, size="1200,5600")  # down to the timeline
     assert console == [], console
-    assert 'data-figures-loaded="4"' in dom  # sensitivity, frontier, tiers, timeline: all drawn
+    assert 'data-figures-loaded="5"' in dom  # sensitivity, frontier, tiers, evaluation frontier, timeline: all drawn
+    assert "<h2>Frontier on evaluation text</h2>" in dom and "<td>kivi-2</td>" in dom
     assert re.search(r'<p id="page-problems" hidden', dom)
     assert f"{len(records)} events from <code>events.jsonl</code>" in dom
     assert f"{profile.meta.chosen.memory:.4f} x FP16" in dom
     assert shot.read_bytes().startswith(PNG_SIGNATURE) and shot.stat().st_size > 20_000
+
+
+def test_eval_frontier_lists_the_peers_below_kvguards_frontier(tmp_path):
+    import json
+
+    from kvguard.calibration import eval_frontier
+
+    rows = [dict(method=m, corpus=c, kv_bytes_ratio=b, kl=k) for m, c, b, k in (
+        ("fp16", "prose", 1.0, 0.0), ("kvguard", "prose", 0.34, 0.001), ("kvguard@0.2", "prose", 0.2, 0.02),
+        ("int4", "prose", 0.344, 0.002),        # above the frontier: more bytes and more KL than kvguard
+        ("llamacpp-q4_0", "prose", 0.28, 0.01),  # below: kvguard's only plan at <= 0.28 has KL 0.02
+        ("kivi-2", "code", 0.2, 0.05), ("kvguard@0.2", "code", 0.19, 0.04))] + [
+        dict(method="hf-hqq-4", corpus="code", error="unsupported")]
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"results": rows}))
+    points = eval_frontier.read_points(path)
+    assert {p.method for p in points} == {"kvguard", "kvguard@0.2", "int4", "llamacpp-q4_0", "kivi-2"}
+    assert [(p.method, p.corpus) for p in eval_frontier.below_frontier(points)] == [("llamacpp-q4_0", "prose")]
+    assert [p.bytes_ratio for p in eval_frontier.frontier([p for p in points if p.corpus == "prose"])] == [0.2, 0.34]
+    for text, message in (("[1, 2]", "a 'results' list"), ("{", "not a readable JSON"),
+                          ('{"results": [{"method": "fp16", "kv_bytes_ratio": 1, "kl": 0}]}', "no method")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            eval_frontier.read_points(path)

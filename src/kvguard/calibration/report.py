@@ -8,6 +8,9 @@
 - ``precision.png`` — the chosen plan's KV heads per tier, layer by layer;
 - ``timeline.png`` — with ``events=`` (a ``--events`` file of the live loop): rollback level and actions
   token by token;
+- ``frontier-eval.png`` — with ``evals=`` (``kvguard eval --json`` files): KL against bytes on evaluation
+  text, kvguard's calibrated plans as a frontier and every peer's point on it
+  (:mod:`kvguard.calibration.eval_frontier`);
 - ``index.html`` — a summary, the sensitivity ranking, the plots, the search log and the loop's timeline,
   linking the PNGs by relative path so the directory can be copied or served as it is.
 
@@ -28,20 +31,26 @@ SENSITIVITY_PNG = "sensitivity.png"
 PARETO_PNG = "pareto.png"
 PRECISION_PNG = "precision.png"
 TIMELINE_PNG = "timeline.png"
+EVAL_FRONTIER_PNG = "frontier-eval.png"
 INDEX_HTML = "index.html"
 TIMELINE_ROWS = 60     # events listed in the page's table; the plot shows them all
 
 # Fixed so that plots of different profiles compare at a glance: cool = safe, warm = aggressive.
-TIER_COLORS = {"fp16": "#3b5b92", "int8": "#4c9a5f", "int4": "#e6a23c", "int2": "#c8453b"}
+TIER_COLORS = {"fp16": "#3b5b92", "int8": "#4c9a5f", "int4": "#e6a23c", "int3": "#d9734a", "int2": "#c8453b"}
 LEVEL_STYLES = {1: ("#7f7f7f", "o"), 2: ("#1f77b4", "s"), 3: ("#9467bd", "D")}
 LAYER_TYPE_HATCHES = ("", "//", "..", "xx")
 KL_FLOOR = 1e-6        # a log color scale cannot show 0; a KL this small is "no measurable change"
 RANKING_ROWS = 12
 
 
-def write(profile, out_dir: str | os.PathLike, events: str | os.PathLike | None = None) -> Path:
+def write(profile, out_dir: str | os.PathLike, events: str | os.PathLike | None = None,
+          evals: list[str | os.PathLike] = ()) -> Path:
     """Write the plots and ``index.html`` for ``profile`` into ``out_dir`` (created); return the page's path.
-    ``events``: a JSON-lines events file of the live loop (``kvguard generate --events``), shown as a timeline."""
+    ``events``: a JSON-lines events file of the live loop (``kvguard generate --events``), shown as a timeline;
+    ``evals``: ``kvguard eval --json`` files, drawn as the frontier on evaluation text."""
+    from kvguard.calibration import eval_frontier
+
+    points = [p for path in evals for p in eval_frontier.read_points(path)]  # bad files fail before any plot
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401  (fail early, with the hint)
     except ImportError as err:
@@ -56,6 +65,11 @@ def write(profile, out_dir: str | os.PathLike, events: str | os.PathLike | None 
         records = read_events(events)
         _save(_timeline_figure(records), out / TIMELINE_PNG)
         timeline = _timeline_html(records, Path(events).name)
+    if points:
+        fig = eval_frontier.figure(points, f"{profile.model_name}: frontier on evaluation text")
+        FigureCanvasAgg(fig)
+        _save(fig, out / EVAL_FRONTIER_PNG)
+        timeline = _eval_html(points) + timeline
     page = out / INDEX_HTML
     page.write_text(_html(profile, timeline), encoding="utf-8")
     return page
@@ -313,6 +327,24 @@ def _html(profile, timeline: str = "") -> str:
         "is the chosen plan, dashed lines are the objective's limits.</figcaption></figure>",
         search_table,
         timeline, "<h2>Run time</h2>", timing_table, _PAGE_CHECKS, "</body></html>", "",
+    ])
+
+
+def _eval_html(points) -> str:
+    from kvguard.calibration import eval_frontier
+
+    below = eval_frontier.below_frontier(points)
+    rows = [[p.corpus, p.method, f"{p.bytes_ratio:.3f}", f"{p.kl:.3g}", "BELOW" if p in below else ""]
+            for p in sorted(points, key=lambda p: (p.corpus, p.bytes_ratio))]
+    verdict = (f"{len(below)} peer point(s) lie below kvguard's frontier." if below
+               else "No peer point lies below kvguard's frontier (lower KL at equal or fewer bytes).")
+    return "\n".join([
+        "<h2>Frontier on evaluation text</h2>",
+        f"<p>What <code>kvguard eval</code> measured on the evaluation split (never calibration text). {_e(verdict)}</p>",
+        f'<figure><img src="{EVAL_FRONTIER_PNG}" alt="KL against KV bytes per corpus, kvguard and peers">'
+        "<figcaption>KL to each engine's own unquantized reference against KV bytes; the line joins kvguard's "
+        "calibrated plans (kvguard, kvguard@&lt;bytes&gt;), red points are peers below it.</figcaption></figure>",
+        _table(["corpus", "method", "bytes / FP16", "KL", "below kvguard's frontier"], rows, numeric={2, 3}),
     ])
 
 

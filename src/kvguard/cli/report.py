@@ -10,6 +10,9 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", required=True, help="profile directory (from `kvguard calibrate`)")
     p.add_argument("--out", required=True, help="directory for the PNG plots and index.html")
     p.add_argument("--events", help="events file of the live loop (kvguard generate --events): adds its timeline")
+    p.add_argument("--eval", action="append", default=[], metavar="JSON", dest="evals",
+                   help="a `kvguard eval --json` file (repeatable): adds the frontier on evaluation text with every "
+                        "peer's point")
     p.set_defaults(func=run)
 
 
@@ -18,6 +21,6 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.cli.common import load_profile, writable_dir
 
     writable_dir("--out", args.out)
-    page = report.write(load_profile(args.profile), args.out, events=args.events)
+    page = report.write(load_profile(args.profile), args.out, events=args.events, evals=args.evals)
     print(f"report written to {page}")
     return 0
