@@ -121,15 +121,19 @@ def test_low_bit_allocation_uses_int3_and_rotates_only_low_bit_layers(smollm2):
     table, ref = searcher.layer_bytes(layout)
     int2, int4 = (float(table[:, j].sum() / ref.sum()) for j in (INT2, TIERS.index(Precision.INT4)))
     target = (int2 + int4) / 2
-    with_int3 = searcher.allocate(searcher.unit_costs(sens, 1e-5, int3_ratio=0.2), layout, target, sens.rotation())
-    without = searcher.allocate(searcher.unit_costs(sens, 1e-5), layout, target, sens.rotation())
+    with_int3 = searcher.allocate(searcher.unit_costs(sens, 1e-5, int3_ratio=0.2, rotated=True), layout, target,
+                                  sens.rotation())
+    without = searcher.allocate(searcher.unit_costs(sens, 1e-5, rotated=True), layout, target, sens.rotation())
     counts = with_int3.precision_counts()
     assert counts.get("int3", 0) > 0 and "int3" not in without.precision_counts()
     for lp in with_int3.layers:
         low = any(p.bits < 8 for p in lp.precision)
         assert lp.key_rotation == low and not lp.value_rotation
     # The INT3 plan predicts less error at the same budget (what lets it onto the frontier).
-    costs = searcher.unit_costs(sens, 1e-5, int3_ratio=0.2)
+    costs = searcher.unit_costs(sens, 1e-5, int3_ratio=0.2, rotated=True)
+    # INT2 is priced by the rotated KL only for plans that rotate; a plain plan pays the plain KL.
+    plain = searcher.unit_costs(sens, 1e-5, int3_ratio=0.2)
+    assert bool((costs[..., INT2] < plain[..., INT2]).all())
 
     def predicted(plan):
         return sum(float(costs[i, h, TIERS.index(p)]) for i, lp in enumerate(plan.layers) for h, p in enumerate(lp.precision))

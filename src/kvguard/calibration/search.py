@@ -136,13 +136,14 @@ class Searcher:
         return self.arch.head_dim & (self.arch.head_dim - 1) == 0  # the transform needs a power-of-2 head_dim
 
     # ------------------------------------------------------------------ level 2
-    def unit_costs(self, sens: Sensitivity, int8_kl: float, int3_ratio: float | None = None) -> torch.Tensor:
+    def unit_costs(self, sens: Sensitivity, int8_kl: float, int3_ratio: float | None = None,
+                   rotated: bool = False) -> torch.Tensor:
         """Predicted KL ``[layers, KV heads, tiers]`` of storing one head at each tier (others FP16): FP16 0,
         INT8 an even share of the measured all-INT8 KL, INT4 a share of the measured all-INT4 KL (half by the
         KL the layer's FP16 buys back, half by its INT2 *alone* KL, which is far less noisy), INT2 the measured
-        *alone* KL (with the layer's chosen rotation), INT3 that times ``int3_ratio`` (all-INT3 over all-INT2
-        KL, both rotated, measured in level 1; without it INT3 costs as much as INT2 and is never chosen);
-        split over heads by the measured head shares."""
+        *alone* KL (``rotated``: with the layer's chosen rotation, for plans that apply it), INT3 that times
+        ``int3_ratio`` (all-INT3 over all-INT2 KL, both rotated, measured in level 1; without it INT3 costs as
+        much as INT2 and is never chosen); split over heads by the measured head shares."""
         n_layers, n_heads = self.arch.num_layers, self.arch.num_kv_heads
         w = sens.head_weights()  # [L, H]
         costs = torch.zeros(n_layers, n_heads, len(TIERS), dtype=torch.float64)
@@ -151,7 +152,8 @@ class Searcher:
         gain = sens.gain_kl.clamp_min(0).double()
         share = 0.5 * alone / alone.sum().clamp_min(1e-12) + 0.5 * gain / gain.sum().clamp_min(1e-12)
         costs[..., 2] = max(sens.base_kl, 0.0) * share[:, None] * w
-        costs[..., INT2] = sens.aggressive_kl()[:, None] * w
+        # A plan that does not rotate must not be priced by the rotated KL: that sent SmolLM2's layer 0 to INT2.
+        costs[..., INT2] = (sens.aggressive_kl() if rotated else alone)[:, None] * w
         costs[..., INT3] = costs[..., INT2] * (1.0 if int3_ratio is None else min(max(int3_ratio, 0.0), 1.0))
         return costs.cummax(dim=-1).values  # a lower tier never predicts less error than a higher one
 
@@ -191,7 +193,7 @@ class Searcher:
                int3_ratio: float | None = None, rotate: bool = False, label: str = "") -> list[Candidate]:
         """Plans allocated at each memory target in ``layout``; ``int3_ratio`` lets INT3 in (see
         :meth:`unit_costs`), ``rotate`` applies the sensitivity's per-layer rotation choice."""
-        costs = self.unit_costs(sens, int8_kl, int3_ratio)
+        costs = self.unit_costs(sens, int8_kl, int3_ratio, rotated=rotate)
         rotation = sens.rotation() if rotate else None
         name = next(n for n, c in LAYOUTS.items() if c == layout) if layout in LAYOUTS.values() else "custom"
         todo, seen = [], set()
