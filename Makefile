@@ -17,11 +17,12 @@ test: $(STAMP) tools
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-ray.txt src/kvguard/assets.py pyproject.toml
+$(STAMP): requirements.txt requirements-ray.txt requirements-peers.txt src/kvguard/assets.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q -r requirements-ray.txt
+	$(PY) -m pip install -q -r requirements-peers.txt || echo "make: llama-cpp-python could not be built (it needs cmake and a C++ compiler): the llamacpp-* methods will say so"
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m kvguard install-assets -- -q
 	touch $(STAMP)

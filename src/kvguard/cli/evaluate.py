@@ -17,7 +17,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="quality, memory and speed through the cache, side by side with peers")
     add_model(p)
     p.add_argument("--profile", help="calibration profile (for the kvguard / kvguard-live / fp8 methods)")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (default: %(default)s)")
+    from kvguard.evaluation import llamacpp
+
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma-separated methods (default: %(default)s); llama.cpp's own KV types, run in llama.cpp on "
+                        f"an embedded model's GGUF, deltas against {llamacpp.REFERENCE}: {', '.join(llamacpp.SPECS)}")
     p.add_argument("--task", default="ppl", choices=["ppl", "passkey", "speed"], help="what to measure (default: %(default)s)")
     p.add_argument("--corpus", default="prose", help="comma-separated eval corpora: prose, code, dialog, long (default: %(default)s)")
     p.add_argument("--text-file", help="evaluate this UTF-8 text file instead of a corpus")
@@ -62,12 +66,17 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     """Every check that needs no model, so that bad input fails in a second, not after loading one; the
     method names."""
     from kvguard import data
+    from kvguard.evaluation import llamacpp, methods
 
     names = csv(args.methods)
     if not names:
         raise CommandError(f"--methods is empty; give at least one, e.g. --methods fp16,int4 (default: {DEFAULT_METHODS})")
     if args.profile and "kvguard" not in names:
         names.append("kvguard")
+    in_llamacpp = [n for n in names if methods.reference_of(n) == llamacpp.REFERENCE]
+    if in_llamacpp and args.task != "ppl":
+        raise CommandError(f"--methods {in_llamacpp[0]}: the llama.cpp methods run in --task ppl only (llama.cpp keeps "
+                           f"its own cache; kvguard's passkey and speed tasks decode through a transformers cache)")
     for flag in ("tokens", "windows", "chunk", "trials", "new_tokens"):
         positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.task == "ppl" and args.tokens < MIN_TOKENS:
@@ -128,12 +137,17 @@ def _streams(args, tok) -> dict[str, list]:
 
 
 def _perplexity(args, model, streams: dict[str, list], names: list[str], profile) -> int:
-    from kvguard.evaluation import harness
+    from kvguard import models
+    from kvguard.evaluation import harness, llamacpp, methods
 
+    # The llama.cpp methods run on the GGUF the embedded model was converted from; a local folder has none (their
+    # rows say so). Asked for only when needed: Gemma 3's GGUF is assembled from its chunk packages once.
+    wants_gguf = any(methods.reference_of(n) == llamacpp.REFERENCE for n in names)
+    gguf = models.gguf_path(args.model) if wants_gguf and args.model in models.EMBEDDED else None
     rows = []
     for corpus, windows in streams.items():
         per_window = [harness.evaluate_stream(model, ids, corpus, names, chunk=args.chunk, simulate=args.simulate,
-                                              profile=profile) for ids in windows]
+                                              profile=profile, gguf=gguf) for ids in windows]
         rows += per_window[0] if len(per_window) == 1 else harness.combine_windows(per_window)
     print(harness.markdown_table(rows))
     if args.json:

@@ -7,23 +7,28 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from kvguard import atomic
 from kvguard.architecture import Architecture
+from kvguard.evaluation import llamacpp
 from kvguard.evaluation import methods as methods_mod
 from kvguard.evaluation.peers import PeerUnsupported
 from kvguard.evaluation.scoring import StreamScore, score_live, score_simulated, score_stream
+from kvguard.plan import Plan
 
 
 @dataclass
 class Row:
-    """One method on one text. Ratios and deltas are against ``fp16`` in the same run."""
+    """One method on one text. Ratios are against the FP16 bytes of the same tokens; deltas, KL and top-1 against
+    the method's reference in the same run (``fp16``; ``llamacpp-f16`` for llama.cpp's types)."""
 
     method: str
     corpus: str
-    mode: str  # "simulated" (parallel passes, exact chunk-1 semantics), "streamed", or "live" (feedback loop)
+    # "simulated" (parallel passes, exact chunk-1 semantics), "streamed", "live" (feedback loop), or "llama.cpp"
+    mode: str
     kv_bytes: int | None = None
     kv_bytes_ratio: float | None = None
     ppl: float | None = None
@@ -49,13 +54,26 @@ def _use_simulation(method: methods_mod.Method, chunk: int, simulate: str) -> bo
     return simulate != "off" and chunk == 1 and (method.simulatable or method.chunk_invariant)
 
 
+def _ordered(method_names: list[str]) -> list[str]:
+    """``fp16`` first; ``llamacpp-f16`` first among the llama.cpp methods (added when one is asked for): each
+    reference is scored before the rows measured against it."""
+    names = ["fp16"] + [n for n in method_names if n != "fp16"]
+    first = next((i for i, n in enumerate(names) if methods_mod.reference_of(n) == llamacpp.REFERENCE), None)
+    if first is None:
+        return names
+    names = [n for n in names if n != llamacpp.REFERENCE]
+    return names[:first] + [llamacpp.REFERENCE] + names[first:]
+
+
 def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[str], *, chunk: int = 1,
-                    simulate: str = "auto", progress: bool = True, profile=None) -> list[Row]:
-    """Score every method on ``ids`` (``[T]``); the first row is ``fp16``, the reference for the others.
-    ``profile``: the calibration profile behind the ``kvguard`` method."""
+                    simulate: str = "auto", progress: bool = True, profile=None, gguf: Path | None = None) -> list[Row]:
+    """Score every method on ``ids`` (``[T]``); the first row is ``fp16``, the reference for kvguard's methods and
+    the peers, and ``llamacpp-f16`` is the reference of the llama.cpp rows. ``profile``: the calibration profile
+    behind the ``kvguard`` method; ``gguf``: the GGUF file the model comes from (the llama.cpp methods run on it;
+    without one their rows say so)."""
     if simulate not in ("auto", "on", "off"):
         raise ValueError(f"simulate has to be one of ['auto', 'on', 'off'] but got {simulate!r}")
-    names = ["fp16"] + [n for n in method_names if n != "fp16"]
+    names = _ordered(method_names)
     resolved = [methods_mod.get(n, profile) for n in names]  # unknown names fail before any work
     if simulate == "on":
         bad = [m.name for m in resolved if not (m.simulatable or m.chunk_invariant)]
@@ -66,31 +84,48 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
         if live:
             raise ValueError(f"{live[0]} decodes token by token: use chunk 1")
     rows: list[Row] = []
-    reference = None
-    for method in resolved:
+    references: dict[str, torch.Tensor] = {}  # name -> [T - 1, vocab] log-probabilities
+    last_use = {m.reference: i for i, m in enumerate(resolved)}
+    for i, method in enumerate(resolved):
         simulated = _use_simulation(method, chunk, simulate)
+        row = Row(method.name, corpus, _mode(method, simulated))
         if progress:
-            how = "simulated" if simulated else ("live, chunk 1" if method.live else f"streamed, chunk {chunk}")
+            how = {"live": "live, chunk 1", "simulated": "simulated"}.get(row.mode, f"{row.mode}, chunk {chunk}")
             _log(f"{corpus}: {method.name} ({how}, {ids.numel()} tokens)")
-        row = Row(method.name, corpus, "simulated" if simulated else ("live" if method.live else "streamed"))
         try:
-            score, stored, fp16 = _score(model, ids, method, simulated, chunk, reference, corpus, row, progress)
+            score, stored, fp16 = _score(model, ids, method, simulated, chunk, references.get(method.reference),
+                                         corpus, row, progress, gguf)
         except PeerUnsupported as err:  # a peer refusing a model is a result, not a crash
             row.error = str(err)
-            rows.append(row)
-            continue
-        if reference is None:
-            reference = torch.log_softmax(score.logits, dim=-1)
-            score = StreamScore(score.nll, score.tokens, 0.0, 1.0, score.seconds)
-        _fill(row, score, stored, fp16)
+        else:
+            if method.name == method.reference:
+                references[method.name] = torch.log_softmax(score.logits, dim=-1)
+                score = StreamScore(score.nll, score.tokens, 0.0, 1.0, score.seconds)
+            _fill(row, score, stored, fp16)
         rows.append(row)
+        for name in [n for n, last in last_use.items() if last == i]:
+            references.pop(name, None)  # [T - 1, vocab] (2 GB for Gemma 3 at 2,048 tokens) no row needs any more
     return _with_deltas(rows)
 
 
+def _mode(method: methods_mod.Method, simulated: bool) -> str:
+    if method.llamacpp is not None:
+        return "llama.cpp"
+    return "simulated" if simulated else ("live" if method.live else "streamed")
+
+
 def _score(model, ids, method, simulated: bool, chunk: int, reference, corpus: str, row: Row,
-           progress: bool) -> tuple[StreamScore, int, int]:
+           progress: bool, gguf: Path | None) -> tuple[StreamScore, int, int]:
     """``(score, stored bytes, FP16 bytes)`` of one method; the loop's rates go into ``row``."""
-    keep = reference is None
+    keep = method.name == method.reference
+    if method.llamacpp is not None:
+        score = llamacpp.score(gguf, ids, method.llamacpp, chunk=chunk, reference=reference, keep_logits=keep,
+                               progress=progress)
+        # kvguard's FP16 count of these tokens (a sliding layer: its window) in GGML's blocks, comparable with the
+        # other rows; llama.cpp's own allocation (cells padded, a sliding layer's window plus a batch) is not compared.
+        fp16 = methods_mod.static_kv_bytes(Plan.uniform(Architecture.from_config(model.config), "fp16"),
+                                           model.config, ids.numel() - 1)[1]
+        return score, llamacpp.kv_bytes(method.llamacpp, fp16), fp16
     if method.live:
         session = method.session(model, sequence_id=f"{corpus}-{method.name}")
         score = score_live(session, ids, reference=reference, keep_logits=keep, progress=progress, desc=method.name)
@@ -108,10 +143,12 @@ def _score(model, ids, method, simulated: bool, chunk: int, reference, corpus: s
 
 
 def _with_deltas(rows: list[Row]) -> list[Row]:
-    """Set ``ppl_delta_pct`` of every row against the first (``fp16``) row."""
-    ref_ppl = rows[0].ppl
+    """Set ``ppl_delta_pct`` of every row against its reference row (``fp16``, or ``llamacpp-f16`` for the
+    llama.cpp rows); none where the reference has no perplexity (it could not run)."""
+    ppl = {row.method: row.ppl for row in rows}
     for row in rows:
-        if row.ppl is not None:
+        ref_ppl = ppl.get(methods_mod.reference_of(row.method))
+        if row.ppl is not None and ref_ppl is not None:
             row.ppl_delta_pct = 100.0 * (row.ppl / ref_ppl - 1.0)
     return rows
 
@@ -119,7 +156,7 @@ def _with_deltas(rows: list[Row]) -> list[Row]:
 def combine_windows(windows: list[list[Row]]) -> list[Row]:
     """Rows of several equal-length windows of one corpus (each from :func:`evaluate_stream`) as one row per
     method: perplexity from the mean NLL, KL / top-1 / bytes / speed averaged, deltas against the combined
-    ``fp16`` row. More text makes the small perplexity differences between good methods measurable."""
+    reference row (``fp16``, or ``llamacpp-f16``). More text makes the small perplexity differences between good methods measurable."""
     if not windows:
         raise ValueError("no windows to combine")
     combined = []

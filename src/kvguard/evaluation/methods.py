@@ -20,12 +20,15 @@
   ``fp8`` with the rounding of vLLM's CPU build (toward zero). Needs ``--profile``.
 - ``vllm-int8_per_token_head`` / ``vllm-int4_per_token_head``: vLLM's dynamic per-token-head caches
   (:mod:`kvguard.per_token_head`), reproduced from its kernels: no calibration, every layer quantized.
+- ``llamacpp-f16`` / ``llamacpp-q8_0`` / ``llamacpp-q5_0`` / ``llamacpp-q4_1`` / ``llamacpp-q4_0`` /
+  ``llamacpp-iq4_nl`` / ``llamacpp-q8_0-q4_0`` (K q8_0, V q4_0): llama.cpp's own KV types, run in llama.cpp on
+  the embedded model's GGUF (:mod:`kvguard.evaluation.llamacpp`); their deltas are against ``llamacpp-f16``.
 - ``kvguard-live``: that plan decoded under the run-time feedback loop (:mod:`kvguard.control.session`);
   ``kvguard-live:<static method>`` runs the loop over another plan (e.g. ``kvguard-live:int2``) with the
   profile's baseline, classifier and thresholds. Needs ``--profile``; always streamed token by token.
 
 Static methods (a :class:`~kvguard.plan.Plan`) can be scored by the fast simulation, the ``fp8`` methods by one
-pass over the stream (their cache is chunk-invariant); peers always stream.
+pass over the stream (their cache is chunk-invariant); peers always stream, llama.cpp in ``--chunk`` tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Callable
 from kvguard.config import CacheConfig
 from kvguard.fp8 import FP8Scales, Granularity, Rounding, fp8_scales
 from kvguard.architecture import Architecture
+from kvguard.evaluation import llamacpp
 from kvguard.per_token_head import TokenHeadCache, TokenHeadFormat
 from kvguard.plan import Plan, StaticScales
 
@@ -54,6 +58,7 @@ class Method:
         scales: calibrated INT8 ranges the plan's INT8 heads use (profile methods).
         fp8: the static FP8 scales of the ``fp8`` methods (an engine's FP8 cache, :mod:`kvguard.fp8`).
         token_head: the vLLM per-token-head format of the ``vllm-*_per_token_head`` methods.
+        llamacpp: the llama.cpp cache of the ``llamacpp-*`` methods (run in llama.cpp, no transformers cache).
     """
 
     name: str
@@ -65,6 +70,13 @@ class Method:
     live: bool = False
     fp8: FP8Scales | None = None
     token_head: TokenHeadFormat | None = None
+    llamacpp: llamacpp.KVSpec | None = None
+
+    @property
+    def reference(self) -> str:
+        """The method the quality columns are measured against: llama.cpp's own FP16 cache for llama.cpp's
+        types (the same engine), kvguard's ``fp16`` for everything else."""
+        return llamacpp.REFERENCE if self.llamacpp is not None else "fp16"
 
     @property
     def simulatable(self) -> bool:
@@ -95,6 +107,9 @@ class Method:
             return self.fp8.make_cache(model.config)
         if self.token_head is not None:
             return TokenHeadCache(model.config, self.token_head)
+        if self.llamacpp is not None:
+            raise ValueError(f"method {self.name!r} runs inside llama.cpp, which keeps its own cache: it is scored by "
+                             f"`kvguard eval --task ppl` only")
         from kvguard.evaluation import peers
 
         return peers.make_cache(self.peer, model)
@@ -135,6 +150,8 @@ METHODS.update({
         (TokenHeadFormat.INT4, "asymmetric INT4 after a Hadamard rotation, one float32 scale per token and KV head"),
     )
 })
+# llama.cpp's own KV types, in llama.cpp (:mod:`kvguard.evaluation.llamacpp`).
+METHODS.update({name: Method(name, spec.description(), llamacpp=spec) for name, spec in llamacpp.SPECS.items()})
 # Methods that need a calibration profile (``--profile``).
 PROFILE_METHODS = ("kvguard", "kvguard-live", "fp8", "fp8:head", "fp8:sglang", "fp8:vllm-cpu")
 LIVE = "kvguard-live"
@@ -149,6 +166,12 @@ FP8_METHODS: dict[str, tuple[dict, str]] = {
     "fp8:vllm-cpu": (dict(granularity=Granularity.TENSOR, rounding=Rounding.TOWARD_ZERO),
                      "vLLM's CPU FP8-E4M3 cache (rounds toward zero), exported per-tensor scales, FP16 layers skipped"),
 }
+
+
+def reference_of(name: str) -> str:
+    """The reference row of method ``name`` (see :attr:`Method.reference`); ``fp16`` for the profile methods."""
+    method = METHODS.get(name)
+    return method.reference if method is not None else "fp16"
 
 
 def from_profile(profile) -> Method:

@@ -4,9 +4,10 @@
 - :func:`score_simulated`: a static plan, by the exact parallel simulation of chunk-1 decoding
   (:mod:`kvguard.simulate`), in one forward pass;
 - :func:`score_live`: token by token through a :class:`~kvguard.control.session.LiveSession` (the feedback
-  loop acting as it goes).
+  loop acting as it goes);
+- :func:`score_logits`: the logits another engine computed (llama.cpp, :mod:`kvguard.evaluation.llamacpp`).
 
-All three feed the logits to one :class:`_Scorer`, so the metrics are computed the same way whichever produced
+All four feed the logits to one :class:`_Scorer`, so the metrics are computed the same way whichever produced
 them.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -138,4 +140,18 @@ def score_live(session, input_ids: torch.Tensor, *, reference: torch.Tensor | No
             pending = []
     if pending:
         scorer.add(torch.stack(pending))
+    return scorer.result()
+
+
+def score_logits(input_ids: torch.Tensor, chunks: Iterable[torch.Tensor], *, reference: torch.Tensor | None = None,
+                 keep_logits: bool = False) -> StreamScore:
+    """Score the next-token logits of ``input_ids`` (``[T]``) that ``chunks`` yields in order, ``[N, vocab]``
+    at a time (predictions for positions 1 .. T - 1 in all); ``seconds`` times the iteration, so an engine
+    that computes each chunk as it is asked for is timed like :func:`score_stream`."""
+    ids = _check(input_ids)
+    scorer = _Scorer(ids, reference, keep_logits)
+    for logits in chunks:
+        scorer.add(logits)
+    if scorer.done != ids.numel() - 1:
+        raise ValueError(f"{scorer.done} predictions for a stream of {ids.numel()} tokens (expected {ids.numel() - 1})")
     return scorer.result()
