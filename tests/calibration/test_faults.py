@@ -77,7 +77,10 @@ def test_the_latency_model_is_counted_not_timed():
 # One domain and the least held-out text: the faulted run is repeated in full, so it is kept as short as a real
 # calibration gets.
 TINY = dict(domains=("prose",), heldout_tokens=256)
-_CHILD = "from dataclasses import replace; from tests.helpers import small_config; TINY = " + repr(TINY) + "\n"
+# The children take SIGINT as a terminal would deliver it: a shell that starts a job in the background (`make
+# test &`) leaves SIGINT ignored, which the children would inherit, and then nothing interrupts them.
+_CHILD = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+          "from dataclasses import replace; from tests.helpers import small_config; TINY = " + repr(TINY) + "\n")
 
 _KILL_DURING_WRITE = _CHILD + """
 import os, signal, sys
