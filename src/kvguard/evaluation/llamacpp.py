@@ -8,9 +8,10 @@ What is run: ``Llama(model_path=<gguf>, n_ctx=<the stream>, n_batch=n_ubatch=<ch
 flash_attn=True)`` (llama.cpp stores a quantized V only under flash attention), ``chunk`` tokens per decode
 (1: true decoding). llama.cpp's own defaults stay: its Hadamard rotation of a quantized K/V (on when
 head_dim % 64 == 0, both embedded models) is applied; its weights are the GGUF's own quantized ones, which
-kvguard's transformers model holds dequantized (f16 against kvguard's ``fp16``, SmolLM2, 2,048 prose tokens:
-+0.29 % perplexity, KL 0.003). The chunk is llama.cpp's ubatch, and its CPU kernels depend on it: on SmolLM2
-chunk 32 scores exactly like chunk 1, chunk 64 does not (1.1 % perplexity apart on 256 tokens).
+kvguard's transformers model holds dequantized (f16 against kvguard's ``fp16``, SmolLM2, 2,048 eval prose
+tokens, chunk 1: -0.01 % perplexity, KL 0.0033, top-1 0.965). The chunk is llama.cpp's ubatch, and its CPU
+kernels depend on it: on SmolLM2 chunk 32 scores exactly like chunk 1, chunk 64 does not (+1.1 % perplexity on
+256 tokens; ``benchmarks/llamacpp_agreement.py`` prints these figures).
 
 The quality columns of these rows are against ``llamacpp-f16`` on the same tokens (llama.cpp's own FP16
 cache), not against kvguard's ``fp16``: what is measured is the error llama.cpp's KV types add inside
