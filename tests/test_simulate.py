@@ -53,3 +53,34 @@ def test_simulation_matches_chunk1_streaming(model_name, tokens, low, request):
     # And the quantization is visible: the plan's perplexity differs from full precision.
     fp = score_simulated(model, ids, Plan.uniform(arch, "fp16", plan.cache))
     assert not math.isclose(fp.perplexity, simulated.perplexity, rel_tol=1e-4)
+
+
+def test_a_codec_replaces_only_the_quantized_heads_round_trip():
+    import torch
+
+    from kvguard.quantizer import quantize
+    from kvguard.simulate import simulate_logits
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama()
+    arch = Architecture.from_config(model.config)
+    plan = Plan(tuple(LayerPlan(("int2", "int8"), key_rotation=True) for _ in range(arch.num_layers)),
+                CacheConfig(residual=8, sinks=2, group_size=16))
+    ids = torch.randint(0, 128, (90,), generator=torch.Generator().manual_seed(1))
+    calls = []
+
+    def quantizer(x, spec, layer, keys):
+        calls.append((layer, keys, spec.precision.value, tuple(x.shape)))
+        return quantize(x, spec).dequantize(torch.float32)
+
+    plain = simulate_logits(model, ids, plan)
+    assert torch.equal(simulate_logits(model, ids, plan, codec=quantizer), plain)
+    # Both heads have dynamic scales, so both go through it: every layer, keys and values, one head at a time, on
+    # the span in whole groups, [2, 82) of 90 tokens ((90 - 2 sinks - 8 residual) // 16 = 5 groups).
+    assert sorted({c[:3] for c in calls}) == sorted((i, k, p) for i in range(arch.num_layers) for k in (False, True)
+                                                    for p in ("int2", "int8"))
+    assert {shape for *_, shape in calls} == {(1, 1, 80, 16)}
+    lossless = simulate_logits(model, ids, plan, codec=lambda x, spec, layer, keys: x)
+    fp16 = simulate_logits(model, ids, Plan.uniform(arch, "fp16", plan.cache))
+    assert not torch.allclose(plain, fp16, atol=1e-4)
+    assert torch.allclose(lossless, fp16, atol=1e-4)

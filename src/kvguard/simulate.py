@@ -29,6 +29,18 @@ from kvguard.quantizer import Axis, QuantSpec, quantize
 # Called for every simulated layer (``kvguard.calibration.signals`` records the monitor's evidence with it):
 # ``observer(layer, probs, quantized, k_fp, k_q, v_fp, v_q, attention_mask)``.
 Observer = Callable[..., None]
+# How one KV head's quantized span is stored and read back, ``codec(x, spec, layer, keys) -> x'`` (``x`` float32
+# ``[B, 1, T, D]``, after the rotation when the plan rotates that side). ``None``: the quantizer's own round
+# trip, as the cache stores it. Storage formats are measured through here before the cache learns them
+# (``benchmarks/codebook_outliers.py``).
+Codec = Callable[[torch.Tensor, QuantSpec, int, bool], torch.Tensor]
+
+
+def _round_trip(x: torch.Tensor, spec: QuantSpec, absmax: torch.Tensor | None, codec: Codec | None, layer: int,
+                keys: bool) -> torch.Tensor:
+    if codec is None or spec.static:
+        return quantize(x, spec, absmax).dequantize(torch.float32)
+    return codec(x.to(torch.float32), spec, layer, keys)
 
 
 def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tensor]:
@@ -46,7 +58,8 @@ def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tens
 
 
 def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axis, group_size: int,
-                    clip: float, absmax: torch.Tensor | None = None, rot: torch.Tensor | None = None) -> torch.Tensor:
+                    clip: float, absmax: torch.Tensor | None = None, rot: torch.Tensor | None = None,
+                    codec: Codec | None = None, layer: int = 0) -> torch.Tensor:
     """``x`` ``[B, H, T, D]`` with positions ``[start, end)`` replaced by their quantize-dequantize values,
     each KV head at its own precision (fp16 heads unchanged; int8 heads with the calibrated ``absmax``
     ``[H, D]`` when given; heads below INT8 through the rotation with the ``[H, D]`` signs ``rot`` when given, as the
@@ -60,20 +73,22 @@ def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axi
             spec = QuantSpec(precision, axis, group_size, clip, static)
             amax = absmax[h].view(1, 1, 1, -1) if static else None  # one scale per channel, shared by tokens
             part = x[:, h:h + 1, start:end]  # [B, 1, T', D]
+            keys = axis is Axis.CHANNEL
             if rot is not None and precision.bits < 8:
                 r = rot[h:h + 1]
-                read = rotation.unrotate(quantize(rotation.rotate(part, r), spec).dequantize(torch.float32), r)
-                out[:, h:h + 1, start:end] = read.to(x.dtype)
+                read = rotation.unrotate(_round_trip(rotation.rotate(part, r), spec, None, codec, layer, keys), r)
             else:
-                out[:, h:h + 1, start:end] = quantize(part, spec, amax).dequantize(x.dtype)
+                read = _round_trip(part, spec, amax, codec, layer, keys)
+            out[:, h:h + 1, start:end] = read.to(x.dtype)
     return out
 
 
 class _SimulationHook:
     """Attention of every query against the keys/values as chunk-1 decoding through the cache shows them."""
 
-    def __init__(self, plan: Plan, scales: StaticScales | None, observer: Observer | None) -> None:
-        self.plan, self.scales, self.observer = plan, scales, observer
+    def __init__(self, plan: Plan, scales: StaticScales | None, observer: Observer | None,
+                 codec: Codec | None = None) -> None:
+        self.plan, self.scales, self.observer, self.codec = plan, scales, observer, codec
 
     def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap):
         plan, scales = self.plan, self.scales
@@ -92,9 +107,9 @@ class _SimulationHook:
         if lp.key_rotation or lp.value_rotation:
             rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
         k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax,
-                              rot if lp.key_rotation else None)
+                              rot if lp.key_rotation else None, self.codec, layer_idx)
         v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, g, lp.value_clip, v_absmax,
-                              rot if lp.value_rotation else None)
+                              rot if lp.value_rotation else None, self.codec, layer_idx)
         rep = query.shape[1] // key.shape[1]
 
         q32 = query.to(torch.float32)
@@ -122,20 +137,22 @@ class _SimulationHook:
 
 
 @contextlib.contextmanager
-def simulation(model, plan: Plan, scales: StaticScales | None = None, *, observer: Observer | None = None):
+def simulation(model, plan: Plan, scales: StaticScales | None = None, *, observer: Observer | None = None,
+               codec: Codec | None = None):
     """Within this block, ``model``'s forward passes (without a cache) simulate chunk-1 decoding under ``plan``
-    (INT8 heads with calibrated ``scales`` when given); ``observer`` sees every layer's attention."""
+    (INT8 heads with calibrated ``scales`` when given); ``observer`` sees every layer's attention; ``codec``
+    replaces the quantizer's round trip of heads with dynamic scales (see :data:`Codec`)."""
     arch = Architecture.from_config(model.config)
     plan.check(arch)
     if scales is not None:
         scales.check(arch)
-    with attention.hooked(model, _SimulationHook(plan, scales, observer)):
+    with attention.hooked(model, _SimulationHook(plan, scales, observer, codec)):
         yield
 
 
 @torch.no_grad()
 def simulate_logits(model, input_ids: torch.Tensor, plan: Plan, scales: StaticScales | None = None, *,
-                    keep_from: int = 0, observer: Observer | None = None) -> torch.Tensor:
+                    keep_from: int = 0, observer: Observer | None = None, codec: Codec | None = None) -> torch.Tensor:
     """Next-token logits ``[T - keep_from, vocab]`` (float32) for ``input_ids`` (``[T]``) as chunk-1 decoding
     through a cache built from ``plan`` (and ``scales``) would produce them, in one forward pass.
     ``keep_from``: skip the output head for earlier positions (see :func:`first_quantized_query`)."""
@@ -143,7 +160,7 @@ def simulate_logits(model, input_ids: torch.Tensor, plan: Plan, scales: StaticSc
     keep = ids.shape[1] - keep_from
     if not 0 < keep <= ids.shape[1]:
         raise ValueError(f"keep_from must be in [0, {ids.shape[1]}), got {keep_from}")
-    with simulation(model, plan, scales, observer=observer):
+    with simulation(model, plan, scales, observer=observer, codec=codec):
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
     return logits[0, -keep:].float()
 
