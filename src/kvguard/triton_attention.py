@@ -222,7 +222,7 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     side = _Codes.of(qt)
     b, h, t, d = qt.shape
     out = torch.empty(b, h, t, d, dtype=torch.float32, device=qt.qdata.device)
-    block = 32
+    block = 64
     _dequantize_kernel[(b * h, triton.cdiv(t, block))](out, *side.args()[:3], t, h, *side.args()[3:],
                                                       D=d, BLOCK_N=block, BITS=side.bits,
                                                       GT=side.tokens_per_scale, GD=side.channels_per_scale)
