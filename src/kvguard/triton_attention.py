@@ -420,18 +420,18 @@ def decode_attention(layer: KVGuardLayer, query: torch.Tensor, keys: torch.Tenso
 
 def _check_inputs(layer: KVGuardLayer, query, keys, values) -> int:
     """Validate shapes; the number of new tokens."""
-    if query.dim() != 4 or query.shape[0] != layer.batch_size or query.shape[-1] != layer.head_dim:
-        raise ValueError(f"query must be [B={layer.batch_size}, H_q, T_q, D={layer.head_dim}], got {tuple(query.shape)}")
-    if query.shape[1] % layer.num_heads:
-        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of the layer's KV heads ({layer.num_heads})")
-    d = layer.head_dim
+    b, h, d = layer.batch_size, layer.num_heads, layer.head_dim
+    if query.dim() != 4 or query.shape[0] != b or query.shape[-1] != d:
+        raise ValueError(f"query must be [B={b}, H_q, T_q, D={d}], got {tuple(query.shape)}")
+    if query.shape[1] % h:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of the layer's KV heads ({h})")
     if d < 16 or d & (d - 1):
         raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {d}")
     if (keys is None) != (values is None):
         raise ValueError("give both keys and values for the new tokens, or neither")
     if keys is None:
         return 0
-    expected = (layer.batch_size, layer.num_heads, keys.shape[-2], d)
+    expected = (b, h, keys.shape[-2], d)
     if tuple(keys.shape) != expected or tuple(values.shape) != expected:
         raise ValueError(f"new keys and values must be {expected}, got {tuple(keys.shape)}, {tuple(values.shape)}")
     return keys.shape[-2]
