@@ -33,6 +33,7 @@ importing this module without it raises an ``ImportError`` that says what to ins
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -81,8 +82,7 @@ def _dequantize_tile(codes, scale, zero, t, d, t_ok, c_st, c_sd, s_st, s_sd,
 
 
 @triton.jit
-def _dequantize_kernel(out, codes, scale, zero, tokens, heads,
-                       c_sb, c_sh, c_st, c_sd, s_sb, s_sh, s_st, s_sd,
+def _dequantize_kernel(out, codes, scale, zero, c_sb, c_sh, c_st, c_sd, s_sb, s_sh, s_st, s_sd, tokens, heads,
                        D: tl.constexpr, BLOCK_N: tl.constexpr,
                        BITS: tl.constexpr, GT: tl.constexpr, GD: tl.constexpr):
     """One (batch x head, tile of tokens) of :func:`dequantize`; ``out`` is ``[B, h, T, D]`` float32."""
@@ -198,13 +198,15 @@ class _Codes:
         """Pointers and strides in the kernels' order: codes, scale, zero, codes' (b, h, t, d), scale's."""
         return (self.codes, self.scale, self.zero, *_strides(self.codes), *_strides(self.scale))
 
-    def constants(self) -> tuple[int, int, int]:
-        return self.bits, self.tokens_per_scale, self.channels_per_scale
-
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
     """Strides with 0 along size-1 axes, so the kernels can broadcast them."""
     return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -223,8 +225,7 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     b, h, t, d = qt.shape
     out = torch.empty(b, h, t, d, dtype=torch.float32, device=qt.qdata.device)
     block = 64
-    _dequantize_kernel[(b * h, triton.cdiv(t, block))](out, *side.args()[:3], t, h, *side.args()[3:],
-                                                      D=d, BLOCK_N=block, BITS=side.bits,
+    _dequantize_kernel[(b * h, triton.cdiv(t, block))](out, *side.args(), t, h, D=d, BLOCK_N=block, BITS=side.bits,
                                                       GT=side.tokens_per_scale, GD=side.channels_per_scale)
     return out
 
@@ -363,7 +364,7 @@ class _Attention:
         if self.split_tokens is not None:
             return max(block_n, triton.cdiv(self.split_tokens, block_n) * block_n)
         if self.query.device.type == "cuda":
-            target = 2 * torch.cuda.get_device_properties(self.query.device).multi_processor_count
+            target = 2 * _multiprocessors(self.query.device)
             splits = max(1, target // max(programs, 1))
             return max(block_n, triton.cdiv(triton.cdiv(tokens, splits), block_n) * block_n)
         return max(block_n, triton.cdiv(tokens, block_n) * block_n)  # the interpreter: one program per head
@@ -397,6 +398,8 @@ def decode_attention(layer: KVGuardLayer, query: torch.Tensor, keys: torch.Tenso
     if not layer.is_initialized:
         raise RuntimeError(f"layer {layer.layer_idx} holds no tokens yet")
     _check_device(query)
+    if query.device != layer.device:
+        raise ValueError(f"query is on {query.device} but layer {layer.layer_idx} holds its cache on {layer.device}")
     new = _check_inputs(layer, query, keys, values)
     bias = _bias(attention_mask, query, layer.stored_tokens + new)
     attn = _Attention(layer, query, bias, query.shape[-1] ** -0.5 if scaling is None else scaling, softcap,
