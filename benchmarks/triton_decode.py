@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/triton_decode.py [--contexts 8192,16384,32768] [--precisions int4,int3,int2,int8]
                                                  [--batch 1] [--iters 200] [--json F]
+    .venv/bin/python benchmarks/triton_decode.py --compile-only [--arch 90]     # no GPU needed
 
 **Needs a CUDA GPU; it has not been run yet** (the machines this project runs on have none). One layer shaped like
 SmolLM2-135M's (9 query / 3 KV heads, head_dim 64, group 32, 4 sinks, FP16 window 64) is filled with
@@ -18,6 +19,10 @@ stored bytes over FP16 bytes, and the largest difference of the Triton output fr
 of the compiled kernel, which CI runs only in Triton's interpreter; expect float16 rounding (~1e-3), since that
 path rounds the dequantized K/V and the output to float16 while the kernel computes in float32.
 Attention of one layer is all that is timed: no model, no projections, no KV writes.
+
+``--compile-only`` needs no GPU: it compiles both kernels, for every precision and with / without mask and softcap,
+to a CUDA binary for ``sm_<arch>`` (Triton ships ``ptxas``), which catches what the interpreter does not check
+(types, shapes, constexpr branches the compiler rejects). It does not run them.
 """
 
 from __future__ import annotations
@@ -89,6 +94,48 @@ def measure(precision: str, context: int, batch: int, iters: int, device: torch.
     return rows
 
 
+def compile_only(arch: int) -> int:
+    """Compile the kernels for a CUDA target without a GPU; print each configuration's compile time."""
+    import os
+    import time
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("--compile-only needs the compiled kernels: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvguard import triton_attention as ta
+
+    target, options = GPUTarget("cuda", arch, 32), {"enable_fp_fusion": False}  # as the launches set it
+    floats = {"scaling", "softcap"}
+
+    def signature(fn, pointers: dict, constants: dict) -> dict:
+        return {name: "constexpr" if name in constants else pointers.get(name, "fp32" if name in floats else "i32")
+                for name in fn.arg_names}
+
+    for bits in (8, 4, 3, 2):
+        codes = "*i8" if bits == 8 else "*u8"
+        side = dict(codes=codes, scale="*fp16", zero="*fp16")
+        for masked in (False, True):
+            constants = dict(D=HEAD_DIM, BLOCK_M=16, BLOCK_N=64, K_BITS=bits, K_GT=32, K_GD=1, V_BITS=bits, V_GT=1,
+                             V_GD=32, HAS_BIAS=masked, SOFTCAP=masked)
+            pointers = dict(q="*fp32", out="*fp32", lse="*fp32", bias="*fp32", kc=codes, ks="*fp16", kz="*fp16",
+                            vc=codes, vs="*fp16", vz="*fp16")
+            fn = ta._part_attention_kernel
+            start = time.perf_counter()
+            triton.compile(ASTSource(fn, signature(fn, pointers, constants), constants), target, options)
+            print(f"attention int{bits} mask+softcap={masked}: compiled for sm_{arch} in "
+                  f"{time.perf_counter() - start:.1f} s")
+        constants = dict(D=HEAD_DIM, BLOCK_N=64, BITS=bits, GT=32, GD=1)
+        fn = ta._dequantize_kernel
+        start = time.perf_counter()
+        triton.compile(ASTSource(fn, signature(fn, dict(out="*fp32", **side), constants), constants), target, options)
+        print(f"dequantize int{bits}: compiled for sm_{arch} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="8192,16384,32768")
@@ -96,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--json")
+    parser.add_argument("--compile-only", action="store_true", help="compile the kernels for a CUDA target, no GPU")
+    parser.add_argument("--arch", type=int, default=90, help="the CUDA target's compute capability for --compile-only")
     args = parser.parse_args(argv)
+    if args.compile_only:
+        return compile_only(args.arch)
     if not torch.cuda.is_available():
         print("triton_decode.py needs a CUDA GPU (the Triton kernel runs on CPU only in the interpreter, far too "
               "slowly to time)", file=sys.stderr)

@@ -19,15 +19,17 @@ at bits ``[d * bits, (d + 1) * bits)`` (INT3: eight codes in three bytes, a code
 signed bytes. Dequantization is :mod:`kvguard.quantizer`'s, in float32: ``q * s + z`` (``q * s`` for INT8), with
 ``s`` / ``z`` the stored float16 values; keys have one scale per channel and group of ``group_size`` tokens
 (``[B, h, T/G, D]``), values one per token and group of channels (``[B, h, T, D/G]``), calibrated INT8 one per
-channel (``[1, h, 1, D]``). The kernel's reading is the same bit for bit (:func:`dequantize` exposes it for
-tests); the attention itself equals the reference up to float32 summation order (tiled dot products, online
-softmax, the log-sum-exp merge), and up to rounding for rotated heads (the query is rotated, ``q R . k_r``,
-instead of every key rotated back, and the output is rotated back once, ``(p v_r) R^T``).
+channel (``[1, h, 1, D]``). The kernels' reading is the same bit for bit (:func:`dequantize` exposes it for tests;
+they are compiled without FP fusion, so no GPU contracts ``q * s + z`` into an FMA either). The attention equals
+the reference up to float32 summation order (tiled dot products, online softmax, the log-sum-exp merges), and up
+to rounding for rotated heads (the query is rotated, ``q R . k_r``, instead of every key rotated back, and the
+output is rotated back once, ``(p v_r) R^T``).
 
 Device: the tensors stay where the cache holds them. On CUDA the kernels run compiled; on CPU they run only in
-Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment **before this module is imported**
-(Triton decides at decoration time); :func:`decode_attention` refuses CPU tensors otherwise. Triton is optional:
-importing this module without it raises an ``ImportError`` that says what to install.
+Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before ``triton.language`` is first
+imported (Triton decorates its library and these kernels then; transformers may import it, through torch): set it
+before importing torch. :func:`decode_attention` refuses CPU tensors otherwise. Triton is optional: importing this
+module without it raises an ``ImportError`` that says what to install.
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ def _check_device(t: torch.Tensor) -> None:
     if t.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "kvguard.triton_attention runs on CPU tensors only in Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before importing kvguard.triton_attention (or put the cache on a CUDA device)"
+            "before anything imports triton (before torch: transformers imports it through torch), or put the cache on "
+            "a CUDA device"
         )
 
 
@@ -226,7 +229,8 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     out = torch.empty(b, h, t, d, dtype=torch.float32, device=qt.qdata.device)
     block = 64
     _dequantize_kernel[(b * h, triton.cdiv(t, block))](out, *side.args(), t, h, D=d, BLOCK_N=block, BITS=side.bits,
-                                                      GT=side.tokens_per_scale, GD=side.channels_per_scale)
+                                                      GT=side.tokens_per_scale, GD=side.channels_per_scale,
+                                                      enable_fp_fusion=False)
     return out
 
 
@@ -355,6 +359,7 @@ class _Attention:
             D=d, BLOCK_M=block_m, BLOCK_N=block_n, K_BITS=keys.bits, K_GT=keys.tokens_per_scale,
             K_GD=keys.channels_per_scale, V_BITS=values.bits, V_GT=values.tokens_per_scale,
             V_GD=values.channels_per_scale, HAS_BIAS=bias is not None, SOFTCAP=self.softcap is not None,
+            enable_fp_fusion=False,
         )
         out, lse = _merge(out, lse, 2)  # [B, h, BLOCK_M, D], [B, h, BLOCK_M]
         return out[:, :, :rows].reshape(b, hq, t_q, d), lse[:, :, :rows].reshape(b, hq, t_q)
