@@ -271,13 +271,13 @@ def _dense(query, keys, values, bias, scaling: float, softcap: float | None) -> 
 
 
 class _Attention:
-    """One call of :func:`decode_attention`: the query, the mask, and the partial results gathered so far."""
+    """One call of :func:`decode_attention`: the query (float32), the mask, and the partial results so far."""
 
-    def __init__(self, layer: KVGuardLayer, query: torch.Tensor, bias: torch.Tensor | None,
+    def __init__(self, query: torch.Tensor, kv_heads: int, bias: torch.Tensor | None,
                  scaling: float, softcap: float | None, split_tokens: int | None):
-        self.layer, self.query, self.bias = layer, query.float(), bias
+        self.query, self.bias = query.float(), bias
         self.scaling, self.softcap, self.split_tokens = scaling, softcap, split_tokens
-        self.rep = query.shape[1] // layer.num_heads
+        self.rep = query.shape[1] // kv_heads
         self.partials: list[_Partial] = []
 
     def query_heads(self, kv_heads: torch.Tensor) -> torch.Tensor:
@@ -387,8 +387,8 @@ def decode_attention(layer: KVGuardLayer, query: torch.Tensor, keys: torch.Tenso
 
     Args:
         layer: an initialized :class:`KVGuardLayer` (or sliding layer), on the device the computation runs on:
-            CUDA runs the kernels compiled; CPU only under ``TRITON_INTERPRET=1`` set before this module was
-            imported (Triton's interpreter), otherwise ``RuntimeError``.
+            CUDA runs the kernels compiled; CPU only in Triton's interpreter (``TRITON_INTERPRET=1`` set before
+            triton was first imported), otherwise ``RuntimeError``.
         query: ``[B, H_q, T_q, D]`` (after RoPE), ``H_q`` a multiple of the layer's KV heads, ``D`` a power of two
             >= 16. Meant for decoding: a few query tokens.
         keys, values: optional new tokens ``[B, H_kv, T_new, D]`` not stored in the layer, attended after it.
@@ -407,8 +407,8 @@ def decode_attention(layer: KVGuardLayer, query: torch.Tensor, keys: torch.Tenso
         raise ValueError(f"query is on {query.device} but layer {layer.layer_idx} holds its cache on {layer.device}")
     new = _check_inputs(layer, query, keys, values)
     bias = _bias(attention_mask, query, layer.stored_tokens + new)
-    attn = _Attention(layer, query, bias, query.shape[-1] ** -0.5 if scaling is None else scaling, softcap,
-                      split_tokens)
+    attn = _Attention(query, layer.num_heads, bias, query.shape[-1] ** -0.5 if scaling is None else scaling,
+                      softcap, split_tokens)
     pos = layer._sinks_k.shape[-2]
     attn.dense(layer._sinks_k, layer._sinks_v, slice(0, pos))
     overlay = None if layer._overlay_pos is None else layer._overlay_pos - layer.offset  # columns, ascending
