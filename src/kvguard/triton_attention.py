@@ -27,8 +27,8 @@ output is rotated back once, ``(p v_r) R^T``).
 
 Device: the tensors stay where the cache holds them. On CUDA the kernels run compiled; on CPU they run only in
 Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before ``triton.language`` is first
-imported (Triton decorates its library and these kernels then; transformers may import it, through torch): set it
-before importing torch. :func:`decode_attention` refuses CPU tensors otherwise. Triton is optional: importing this
+imported (Triton decorates its library and these kernels then; ``torch._dynamo`` imports it, and transformers can
+import that): set it before importing transformers. :func:`decode_attention` refuses CPU tensors otherwise. Triton is optional: importing this
 module without it raises an ``ImportError`` that says what to install.
 """
 
@@ -215,8 +215,8 @@ def _check_device(t: torch.Tensor) -> None:
     if t.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "kvguard.triton_attention runs on CPU tensors only in Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before anything imports triton (before torch: transformers imports it through torch), or put the cache on "
-            "a CUDA device"
+            "before triton is first imported (torch._dynamo imports it, and transformers can import torch._dynamo), "
+            "or put the cache on a CUDA device"
         )
 
 
