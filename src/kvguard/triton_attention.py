@@ -28,8 +28,8 @@ output is rotated back once, ``(p v_r) R^T``).
 Device: the tensors stay where the cache holds them. On CUDA the kernels run compiled; on CPU they run only in
 Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before ``triton.language`` is first
 imported (Triton decorates its library and these kernels then; ``torch._dynamo`` imports it, and transformers can
-import that): set it before importing transformers. :func:`decode_attention` refuses CPU tensors otherwise. Triton is optional: importing this
-module without it raises an ``ImportError`` that says what to install.
+import that): set it before importing transformers. :func:`decode_attention` refuses CPU tensors otherwise.
+Triton is optional: importing this module without it raises an ``ImportError`` that says what to install.
 """
 
 from __future__ import annotations
