@@ -124,8 +124,8 @@ def test_several_runs_rotation_overlay_and_new_tokens_with_a_causal_mask():
     fresh_k, fresh_v = kv(len(pos), 4)
     layer.write_fp(pos, fresh_k, fresh_v)
     assert layer.overlay_positions().tolist() == [10, 11, 75, 150]  # 1 is a sink, 190 and 197 in the window
-    new_k, new_v = kv(3, 5)
-    t_q, stored = 3, layer.stored_tokens
+    t_q, stored = 9, layer.stored_tokens  # 2 x 9 query rows: the kernel's row block grows to 32
+    new_k, new_v = kv(t_q, 5)
     mask = torch.zeros(1, 1, t_q, stored + t_q)
     mask[..., stored:] = torch.triu(torch.full((t_q, t_q), torch.finfo(torch.float32).min), diagonal=1)
     q = query(t_q)
