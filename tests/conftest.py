@@ -8,6 +8,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # float32 matmuls (SmolLM2's MLP down_proj on 4 x 25 tokens) by thread count. MKL reads it once, when torch first
 # calls it: set here, before any test module imports torch; Ray workers inherit the environment.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# Triton's interpreter for tests/test_triton_attention.py (no GPU here or in CI). It must be set before anything
+# imports triton.language (transformers does, through torch._dynamo, when hqq is installed): Triton decorates its
+# own library functions then, and an interpreted kernel cannot call compiled ones. Only Triton reads it, and no
+# other test launches a Triton kernel.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

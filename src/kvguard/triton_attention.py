@@ -1,0 +1,459 @@
+"""Decode attention over one :class:`~kvguard.cache_layer.KVGuardLayer`, reading its packed codes in Triton.
+
+:func:`decode_attention` computes what the model computes from ``layer.materialize()`` (softmax attention of a
+few query tokens over the stored past, plus optional new tokens), without dequantizing the cache into memory:
+
+- **Quantized parts** (a run's heads sharing an integer precision) go through one Triton kernel each. A program
+  takes one batch row, one KV head and one split of the part's tokens, holds all the query rows of that KV head
+  (the ``rep`` query heads of a GQA group times the query tokens), walks its split in tiles of ``BLOCK_N`` tokens,
+  unpacks and dequantizes each tile in registers, and keeps an online softmax (flash-decoding). It writes the
+  split's normalized output and log-sum-exp; the splits are merged in torch.
+- **Full-precision segments** (sinks, window, ``fp16`` heads of a run, overlay positions, new tokens) are plain
+  torch attention, each giving an output and a log-sum-exp.
+- Every segment covers some query heads and some key positions; outputs are merged by log-sum-exp. Overlay
+  positions are masked out of the part that holds their codes (``-inf``) and attended from the overlay instead,
+  which is what ``materialize`` does when the overlay wins.
+
+Codes are read as :mod:`kvguard.packing` stores them: each token's row is a little-endian bit stream, code ``d``
+at bits ``[d * bits, (d + 1) * bits)`` (INT3: eight codes in three bytes, a code may straddle two bytes), INT8 as
+signed bytes. Dequantization is :mod:`kvguard.quantizer`'s, in float32: ``q * s + z`` (``q * s`` for INT8), with
+``s`` / ``z`` the stored float16 values; keys have one scale per channel and group of ``group_size`` tokens
+(``[B, h, T/G, D]``), values one per token and group of channels (``[B, h, T, D/G]``), calibrated INT8 one per
+channel (``[1, h, 1, D]``). The kernels' reading is the same bit for bit (:func:`dequantize` exposes it for tests;
+they are compiled without FP fusion, so no GPU contracts ``q * s + z`` into an FMA either). The attention equals
+the reference up to float32 summation order (tiled dot products, online softmax, the log-sum-exp merges), and up
+to rounding for rotated heads (the query is rotated, ``q R . k_r``, instead of every key rotated back, and the
+output is rotated back once, ``(p v_r) R^T``).
+
+Device: the tensors stay where the cache holds them. On CUDA the kernels run compiled; on CPU they run only in
+Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before ``triton.language`` is first
+imported (Triton decorates its library and these kernels then; ``torch._dynamo`` imports it, and transformers can
+import that): set it before importing transformers. :func:`decode_attention` refuses CPU tensors otherwise.
+Triton is optional: importing this module without it raises an ``ImportError`` that says what to install.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from kvguard import rotation
+from kvguard.cache_layer import KVGuardLayer, _Part
+from kvguard.quantizer import Axis, QuantizedTensor
+
+TRITON_INSTALL_HINT = "pip install triton==3.9.0  (or `make install`, which installs requirements.txt)"
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as err:  # optional: only the Triton path needs it
+    raise ImportError(f"kvguard.triton_attention needs Triton: {TRITON_INSTALL_HINT}") from err
+
+# Read once, as triton.jit does when it decorates the kernels below: they are interpreted exactly when this is set.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+# ---------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _dequantize_tile(codes, scale, zero, t, d, t_ok, c_st, c_sd, s_st, s_sd,
+                     BITS: tl.constexpr, GT: tl.constexpr, GD: tl.constexpr):
+    """Tokens ``t`` ([N]) x channels ``d`` ([D]) of one (batch, head), float32 ``[N, D]``; rows not ``t_ok`` are 0.
+    ``codes`` / ``scale`` / ``zero`` point at the (batch, head); scales are per ``GT`` tokens x ``GD`` channels."""
+    ok = t_ok[:, None]
+    if BITS == 8:
+        q = tl.load(codes + t[:, None] * c_st + d[None, :] * c_sd, mask=ok, other=0).to(tl.float32)
+    else:
+        bit = d * BITS  # the row is a little-endian bit stream: code d starts at bit d * BITS
+        byte = bit // 8
+        shift = bit % 8
+        row = codes + t[:, None] * c_st
+        word = tl.load(row + byte[None, :] * c_sd, mask=ok, other=0).to(tl.int32)
+        if 8 % BITS != 0:  # INT3: a code may continue in the next byte
+            spills = (shift + BITS) > 8
+            high = tl.load(row + (byte + 1)[None, :] * c_sd, mask=ok & spills[None, :], other=0).to(tl.int32)
+            word = word | (high << 8)
+        q = ((word >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    s_off = (t[:, None] // GT) * s_st + (d[None, :] // GD) * s_sd
+    s = tl.load(scale + s_off, mask=ok, other=0).to(tl.float32)
+    if BITS == 8:  # symmetric
+        return q * s
+    z = tl.load(zero + s_off, mask=ok, other=0).to(tl.float32)
+    return q * s + z
+
+
+@triton.jit
+def _dequantize_kernel(out, codes, scale, zero, c_sb, c_sh, c_st, c_sd, s_sb, s_sh, s_st, s_sd, tokens, heads,
+                       D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BITS: tl.constexpr, GT: tl.constexpr, GD: tl.constexpr):
+    """One (batch x head, tile of tokens) of :func:`dequantize`; ``out`` is ``[B, h, T, D]`` float32."""
+    bh = tl.program_id(0)
+    b, h = bh // heads, bh % heads
+    t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    t_ok = t < tokens
+    x = _dequantize_tile(codes + b * c_sb + h * c_sh, scale + b * s_sb + h * s_sh, zero + b * s_sb + h * s_sh,
+                         t, d, t_ok, c_st, c_sd, s_st, s_sd, BITS, GT, GD)
+    tl.store(out + (bh * tokens + t[:, None]) * D + d[None, :], x, mask=t_ok[:, None])
+
+
+@triton.jit
+def _part_attention_kernel(
+    q, out, lse, bias,
+    kc, ks, kz, kc_sb, kc_sh, kc_st, kc_sd, ks_sb, ks_sh, ks_st, ks_sd,
+    vc, vs, vz, vc_sb, vc_sh, vc_st, vc_sd, vs_sb, vs_sh, vs_st, vs_sd,
+    bias_sb, bias_sh, bias_sq, bias_st,
+    heads, tokens, rep, q_len, split_tokens, n_splits, scaling, softcap,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_BITS: tl.constexpr, K_GT: tl.constexpr, K_GD: tl.constexpr,
+    V_BITS: tl.constexpr, V_GT: tl.constexpr, V_GD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    """One (batch x KV head, split of tokens): softmax attention of the head's query rows over the split.
+
+    ``q`` is ``[B, h, BLOCK_M, D]`` float32, row ``r * q_len + i`` = query head ``r`` of the group, token ``i``
+    (rows past ``rep * q_len`` are padding). Writes ``out`` ``[B, h, n_splits, BLOCK_M, D]`` (normalized over the
+    split) and ``lse`` ``[B, h, n_splits, BLOCK_M]`` (``-inf`` where the split has nothing to attend to).
+    """
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    rows = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    row_ok = rows < rep * q_len
+    query = tl.load(q + (bh * BLOCK_M + rows[:, None]) * D + d[None, :])
+    k_codes, k_scale, k_zero = kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh, kz + b * ks_sb + h * ks_sh
+    v_codes, v_scale, v_zero = vc + b * vc_sb + h * vc_sh, vs + b * vs_sb + h * vs_sh, vz + b * vs_sb + h * vs_sh
+    # The mask row of query row (r, i) belongs to query head h * rep + r of the part, token i.
+    bias_row = bias + b * bias_sb + (h * rep + rows // q_len) * bias_sh + (rows % q_len) * bias_sq
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, tokens)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        k = _dequantize_tile(k_codes, k_scale, k_zero, t, d, t_ok, kc_st, kc_sd, ks_st, ks_sd, K_BITS, K_GT, K_GD)
+        s = tl.dot(query, tl.trans(k), input_precision="ieee") * scaling  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            # softcap * tanh(s / softcap), tanh written with exp (no tanh in tl's core)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        if HAS_BIAS:
+            s += tl.load(bias_row[:, None] + t[None, :] * bias_st, mask=row_ok[:, None] & t_ok[None, :], other=0.0)
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing to attend to yet (all -inf) must not produce exp(-inf - -inf) = nan.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _dequantize_tile(v_codes, v_scale, v_zero, t, d, t_ok, vc_st, vc_sd, vs_st, vs_sd, V_BITS, V_GT, V_GD)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+
+    seen = l_i > 0
+    o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    m_final = tl.where(m_i == float("-inf"), 0.0, m_i)
+    part_lse = tl.where(seen, m_final + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    slot = bh * n_splits + split
+    tl.store(out + (slot * BLOCK_M + rows[:, None]) * D + d[None, :], o)
+    tl.store(lse + slot * BLOCK_M + rows, part_lse)
+
+
+# ---------------------------------------------------------------------------------------------------- codes
+@dataclass(frozen=True)
+class _Codes:
+    """One side of a quantized part as the kernels read it.
+
+    Attributes:
+        codes: ``[B, h, T, D * bits / 8]`` packed ``uint8`` (``[B, h, T, D]`` ``int8`` for INT8).
+        scale: ``[B, h, T / tokens_per_scale, D / channels_per_scale]`` float16 (stride 0 along shared axes).
+        zero: the zero points, same shape and strides as ``scale`` (``scale`` itself for INT8, never read).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    tokens_per_scale: int
+    channels_per_scale: int
+
+    @classmethod
+    def of(cls, qt: QuantizedTensor) -> "_Codes":
+        spec = qt.spec
+        b, h, t, d = qt.shape
+        if spec.static:  # calibrated INT8: one scale per channel, shared by every sequence and token
+            scale, gt, gd = qt.scale.expand(b, h, t, d), 1, 1
+        elif spec.axis is Axis.CHANNEL:
+            scale, gt, gd = qt.scale, spec.group_size, 1
+        else:
+            scale, gt, gd = qt.scale, 1, spec.group_size
+        zero = scale if qt.zero_point is None else qt.zero_point
+        if zero.stride() != scale.stride():  # the kernels index both with the scale's strides
+            scale, zero = scale.contiguous(), zero.contiguous()
+        return cls(qt.qdata, scale, zero, spec.precision.bits, gt, gd)
+
+    def args(self) -> tuple:
+        """Pointers and strides in the kernels' order: codes, scale, zero, codes' (b, h, t, d), scale's."""
+        return (self.codes, self.scale, self.zero, *_strides(self.codes), *_strides(self.scale))
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides with 0 along size-1 axes, so the kernels can broadcast them."""
+    return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError(
+            "kvguard.triton_attention runs on CPU tensors only in Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before triton is first imported (torch._dynamo imports it, and transformers can import torch._dynamo), "
+            "or put the cache on a CUDA device"
+        )
+
+
+def dequantize(qt: QuantizedTensor) -> torch.Tensor:
+    """``qt`` (``[B, h, T, D]``) decoded by the attention kernel's own reading of the codes, float32: equal bit for
+    bit to ``qt.dequantize(torch.float32)``. For tests and debugging; :func:`decode_attention` never writes it."""
+    _check_device(qt.qdata)
+    side = _Codes.of(qt)
+    b, h, t, d = qt.shape
+    out = torch.empty(b, h, t, d, dtype=torch.float32, device=qt.qdata.device)
+    block = 64
+    _dequantize_kernel[(b * h, triton.cdiv(t, block))](out, *side.args(), t, h, D=d, BLOCK_N=block, BITS=side.bits,
+                                                      GT=side.tokens_per_scale, GD=side.channels_per_scale,
+                                                      enable_fp_fusion=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- segments
+@dataclass(frozen=True)
+class _Partial:
+    """Attention over one segment of keys: ``out`` ``[B, H_q, T_q, D]`` normalized over the segment, ``lse``
+    ``[B, H_q, T_q]`` its log-sum-exp (``-inf`` for query heads the segment does not cover)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial softmaxes stacked along ``dim`` of ``lse`` (``out`` has one more trailing axis, D)."""
+    m = lse.amax(dim, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # all -inf: weights 0, not nan
+    w = torch.exp(lse - m)
+    total = w.sum(dim)
+    merged = (w.unsqueeze(-1) * out).sum(dim) / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
+    return merged, m.squeeze(dim) + torch.log(total)
+
+
+def _dense(query, keys, values, bias, scaling: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention over full-precision ``keys`` / ``values`` (``[B, h, n, D]``) for ``query``
+    (``[B, h * rep, T_q, D]``, float32): output and log-sum-exp."""
+    rep = query.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(rep, dim=1)  # [B, H_q, n, D]
+    v = values.float().repeat_interleave(rep, dim=1)
+    s = query @ k.transpose(-1, -2) * scaling  # [B, H_q, T_q, n]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if bias is not None:
+        s = s + bias
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(s - finite.unsqueeze(-1)) @ v, lse
+
+
+class _Attention:
+    """One call of :func:`decode_attention`: the query (float32), the mask, and the partial results so far."""
+
+    def __init__(self, query: torch.Tensor, kv_heads: int, bias: torch.Tensor | None,
+                 scaling: float, softcap: float | None, split_tokens: int | None):
+        self.query, self.bias = query.float(), bias
+        self.scaling, self.softcap, self.split_tokens = scaling, softcap, split_tokens
+        self.rep = query.shape[1] // kv_heads
+        self.partials: list[_Partial] = []
+
+    def query_heads(self, kv_heads: torch.Tensor) -> torch.Tensor:
+        """The query heads reading ``kv_heads`` (GQA: query head ``i`` reads KV head ``i // rep``)."""
+        offsets = torch.arange(self.rep, device=kv_heads.device)
+        return (kv_heads.unsqueeze(1) * self.rep + offsets).reshape(-1)
+
+    def columns(self, cols, heads: torch.Tensor | None, excluded: torch.Tensor | None = None):
+        """The mask for key columns ``cols`` (a slice, or positions) and query ``heads`` (None: all), with the
+        ``excluded`` columns (relative to a slice ``cols``) at ``-inf``; None when nothing is masked."""
+        bias = None if self.bias is None else self.bias[..., cols]
+        if bias is not None and heads is not None and bias.shape[1] > 1:
+            bias = bias.index_select(1, heads)
+        if excluded is None or not excluded.numel():
+            return bias
+        if bias is None:
+            bias = self.query.new_zeros(1, 1, self.query.shape[2], cols.stop - cols.start)
+        bias = bias.clone()  # never write into the caller's mask
+        bias[..., excluded] = float("-inf")
+        return bias
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor, heads: torch.Tensor | None) -> None:
+        """Record a segment's result for query ``heads`` (None: all of them)."""
+        if heads is None:
+            self.partials.append(_Partial(out, lse))
+            return
+        full_out = out.new_zeros(self.query.shape)
+        full_lse = lse.new_full(self.query.shape[:-1], float("-inf"))
+        full_out.index_copy_(1, heads, out)
+        full_lse.index_copy_(1, heads, lse)
+        self.partials.append(_Partial(full_out, full_lse))
+
+    def dense(self, keys, values, cols, kv_heads: torch.Tensor | None = None, excluded=None) -> None:
+        """A full-precision segment: ``keys`` / ``values`` ``[B, h, n, D]`` at key columns ``cols``."""
+        if keys.shape[-2] == 0:
+            return
+        heads = None if kv_heads is None else self.query_heads(kv_heads)
+        q = self.query if heads is None else self.query.index_select(1, heads)
+        out, lse = _dense(q, keys, values, self.columns(cols, heads, excluded), self.scaling, self.softcap)
+        self.add(out, lse, heads)
+
+    def part(self, part: _Part, cols: slice, excluded: torch.Tensor | None) -> None:
+        """A run's part: ``fp16`` heads in torch, quantized ones through the kernel."""
+        if not isinstance(part.keys, QuantizedTensor):
+            self.dense(part.keys, part.values, cols, part.index, excluded)
+            return
+        heads = self.query_heads(part.index)
+        signs = None if part.rotation is None else part.rotation.repeat_interleave(self.rep, dim=0)
+        q = self.query.index_select(1, heads)  # [B, h * rep, T_q, D]
+        if part.layout.key_rotated:
+            q = rotation.rotate(q, signs)  # q R . k_r = q . (k_r R^T)
+        out, lse = self.kernel(q, part, self.columns(cols, heads, excluded))
+        if part.layout.value_rotated:
+            out = rotation.unrotate(out, signs)  # sum p (v_r R^T) = (sum p v_r) R^T
+        self.add(out, lse, heads)
+
+    def result(self) -> torch.Tensor:
+        out = torch.stack([p.out for p in self.partials])  # [S, B, H_q, T_q, D]
+        lse = torch.stack([p.lse for p in self.partials])
+        return _merge(out, lse, 0)[0]
+
+    def kernel(self, q: torch.Tensor, part: _Part, bias: torch.Tensor | None):
+        """The quantized part ``part`` attended by ``q`` (``[B, h * rep, T_q, D]``): output and log-sum-exp."""
+        keys, values = _Codes.of(part.keys), _Codes.of(part.values)
+        b, hq, t_q, d = q.shape
+        h, rows, tokens = hq // self.rep, self.rep * t_q, part.keys.num_tokens
+        block_m = max(16, triton.next_power_of_2(rows))  # tl.dot needs at least 16 rows
+        block_n = 32 if d >= 256 else 64
+        split = self.split_size(tokens, b * h, block_n)
+        n_splits = triton.cdiv(tokens, split)
+        q_rows = q.new_zeros(b, h, block_m, d)
+        q_rows[:, :, :rows] = q.reshape(b, h, rows, d)  # [B, h, rep * T_q, D]: row r * T_q + i
+        out = q.new_empty(b, h, n_splits, block_m, d)
+        lse = q.new_empty(b, h, n_splits, block_m)
+        bias_args = (q, 0, 0, 0, 0) if bias is None else (bias, *_strides(bias))
+        _part_attention_kernel[(b * h, n_splits)](
+            q_rows, out, lse, bias_args[0], *keys.args(), *values.args(), *bias_args[1:],
+            h, tokens, self.rep, t_q, split, n_splits, self.scaling, self.softcap or 1.0,
+            D=d, BLOCK_M=block_m, BLOCK_N=block_n, K_BITS=keys.bits, K_GT=keys.tokens_per_scale,
+            K_GD=keys.channels_per_scale, V_BITS=values.bits, V_GT=values.tokens_per_scale,
+            V_GD=values.channels_per_scale, HAS_BIAS=bias is not None, SOFTCAP=self.softcap is not None,
+            enable_fp_fusion=False,
+        )
+        out, lse = _merge(out, lse, 2)  # [B, h, BLOCK_M, D], [B, h, BLOCK_M]
+        return out[:, :, :rows].reshape(b, hq, t_q, d), lse[:, :, :rows].reshape(b, hq, t_q)
+
+    def split_size(self, tokens: int, programs: int, block_n: int) -> int:
+        """Tokens per program: enough splits to fill the GPU (a decode step has few batch x head programs)."""
+        if self.split_tokens is not None:
+            return max(block_n, triton.cdiv(self.split_tokens, block_n) * block_n)
+        if self.query.device.type == "cuda":
+            target = 2 * _multiprocessors(self.query.device)
+            splits = max(1, target // max(programs, 1))
+            return max(block_n, triton.cdiv(triton.cdiv(tokens, splits), block_n) * block_n)
+        return max(block_n, triton.cdiv(tokens, block_n) * block_n)  # the interpreter: one program per head
+
+
+# ---------------------------------------------------------------------------------------------------- entry point
+def decode_attention(layer: KVGuardLayer, query: torch.Tensor, keys: torch.Tensor | None = None,
+                     values: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
+                     scaling: float | None = None, softcap: float | None = None,
+                     split_tokens: int | None = None) -> torch.Tensor:
+    """Softmax attention of ``query`` over ``layer``'s stored past followed by ``keys`` / ``values``.
+
+    Equals attention over ``torch.cat([layer.materialize()[0], keys])`` (and values) to float32 summation order;
+    see the module docstring. The quantized parts are read from their codes by a Triton kernel.
+
+    Args:
+        layer: an initialized :class:`KVGuardLayer` (or sliding layer), on the device the computation runs on:
+            CUDA runs the kernels compiled; CPU only in Triton's interpreter (``TRITON_INTERPRET=1`` set before
+            triton was first imported), otherwise ``RuntimeError``.
+        query: ``[B, H_q, T_q, D]`` (after RoPE), ``H_q`` a multiple of the layer's KV heads, ``D`` a power of two
+            >= 16. Meant for decoding: a few query tokens.
+        keys, values: optional new tokens ``[B, H_kv, T_new, D]`` not stored in the layer, attended after it.
+        attention_mask: additive float (or boolean, True = attend) ``[B, 1 or H_q, T_q, T_stored + T_new]``, as
+            transformers builds it from ``layer.get_mask_sizes``; None attends to every key.
+        scaling: the score scale, default ``D ** -0.5``. softcap: Gemma 2-style ``tanh`` capping of the scores.
+        split_tokens: tokens per kernel program (rounded up to its tile); default: enough splits to fill the GPU.
+
+    Returns:
+        ``[B, H_q, T_q, D]`` in ``query``'s dtype.
+    """
+    if not layer.is_initialized:
+        raise RuntimeError(f"layer {layer.layer_idx} holds no tokens yet")
+    _check_device(query)
+    if query.device != layer.device:
+        raise ValueError(f"query is on {query.device} but layer {layer.layer_idx} holds its cache on {layer.device}")
+    new = _check_inputs(layer, query, keys, values)
+    bias = _bias(attention_mask, query, layer.stored_tokens + new)
+    attn = _Attention(query, layer.num_heads, bias, query.shape[-1] ** -0.5 if scaling is None else scaling,
+                      softcap, split_tokens)
+    pos = layer._sinks_k.shape[-2]
+    attn.dense(layer._sinks_k, layer._sinks_v, slice(0, pos))
+    overlay = None if layer._overlay_pos is None else layer._overlay_pos - layer.offset  # columns, ascending
+    for run in layer._runs:
+        cols = slice(pos, pos + run.length)
+        excluded = None if overlay is None else overlay[(overlay >= cols.start) & (overlay < cols.stop)] - pos
+        for part in run.parts:
+            attn.part(part, cols, excluded)
+        pos += run.length
+    attn.dense(layer._win_k, layer._win_v, slice(pos, pos + layer._win_k.shape[-2]))
+    if overlay is not None and overlay.numel():
+        attn.dense(layer._overlay_k, layer._overlay_v, overlay)
+    if new:
+        attn.dense(keys, values, slice(layer.stored_tokens, layer.stored_tokens + new))
+    return attn.result().to(query.dtype)
+
+
+def _check_inputs(layer: KVGuardLayer, query, keys, values) -> int:
+    """Validate shapes; the number of new tokens."""
+    b, h, d = layer.batch_size, layer.num_heads, layer.head_dim
+    if query.dim() != 4 or query.shape[0] != b or query.shape[-1] != d:
+        raise ValueError(f"query must be [B={b}, H_q, T_q, D={d}], got {tuple(query.shape)}")
+    if query.shape[1] % h:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of the layer's KV heads ({h})")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {d}")
+    if (keys is None) != (values is None):
+        raise ValueError("give both keys and values for the new tokens, or neither")
+    if keys is None:
+        return 0
+    expected = (b, h, keys.shape[-2], d)
+    if tuple(keys.shape) != expected or tuple(values.shape) != expected:
+        raise ValueError(f"new keys and values must be {expected}, got {tuple(keys.shape)}, {tuple(values.shape)}")
+    return keys.shape[-2]
+
+
+def _bias(mask: torch.Tensor | None, query: torch.Tensor, key_len: int) -> torch.Tensor | None:
+    """The mask as float32 additive scores ``[B or 1, 1 or H_q, T_q, key_len]``."""
+    if mask is None:
+        return None
+    b, hq, t_q, _ = query.shape
+    if mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, hq) or mask.shape[2] != t_q \
+            or mask.shape[3] != key_len:
+        raise ValueError(f"attention_mask must be [{b} or 1, 1 or {hq}, {t_q}, {key_len}] (stored + new tokens), "
+                         f"got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float()
