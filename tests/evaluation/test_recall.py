@@ -44,15 +44,23 @@ def test_results_average_over_counted_tokens_and_serialize(monkeypatch):
 @pytest.mark.slow
 def test_trial_repeats_the_list_at_the_distance_asked(smollm2, monkeypatch):
     _, tok = smollm2
-    asked = []
-    for name in ("documents", "token_stream"):
+    asked = []  # (function, corpus, split) of every corpus read
+
+    def recording(name):
         real = getattr(data, name)
-        monkeypatch.setattr(data, name, lambda corpus, split, *a, _real=real, **kw: asked.append(split) or
-                            _real(corpus, split, *a, **kw))
-    recall.word_pool.cache_clear()
+
+        def read(corpus, split, *args, **kwargs):
+            asked.append((name, corpus, split))
+            return real(corpus, split, *args, **kwargs)
+        return read
+
+    for name in ("documents", "token_stream"):
+        monkeypatch.setattr(data, name, recording(name))
+    recall.word_pool.cache_clear()  # the pool has to be read again, under the recording
     trial = recall.build_trial(tok, 200, seed=7, words=16)
     ids, n = trial.ids.tolist(), len(trial.words)
-    assert asked and {data._check_split(s) for s in asked} == {data.Split.EVAL}
+    assert {("documents", "prose"), ("token_stream", "long")} <= {(name, corpus) for name, corpus, _ in asked}
+    assert all(split == data.Split.EVAL for _, _, split in asked)
     assert n == 16 and len(set(trial.words)) == 16
     assert ids[trial.first:trial.first + n] == ids[trial.repeat:trial.repeat + n] and trial.repeat + n == len(ids)
     assert trial.targets.tolist() == ids[trial.repeat + 1:]
