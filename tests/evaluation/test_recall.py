@@ -1,4 +1,5 @@
 import math
+import types
 
 import pytest
 import torch
@@ -39,6 +40,29 @@ def test_results_average_over_counted_tokens_and_serialize(monkeypatch):
     assert result.nll == pytest.approx((4 * math.log(4 / 3) + 2 * math.log(4)) / 6)
     assert result.to_json()["top1"] == result.top1
     assert "| fp16 | 64 | 20 | 2 | 6 | 0.667 |" in recall.markdown_table([result])
+
+
+def test_copy_logits_prefills_up_to_the_repeat_then_feeds_it_token_by_token():
+    # ids 0..9: the first list at 1..3, the repeat at 7..9; scored: 8 and 9, predicted after feeding 7 and 8.
+    trial = recall.Trial(torch.arange(10), ("a", "b", "c"), first=1, repeat=7, distance=3)
+
+    class Decoder:  # stands in for a live session: the task must drive it through prefill / step only
+        prefilled, stepped = None, []
+
+        def prefill(self, ids):
+            self.prefilled = ids.tolist()
+            return torch.zeros(10)
+
+        def step(self, token):
+            self.stepped.append(token)
+            return torch.nn.functional.one_hot(torch.tensor(token + 1), 10).float()
+
+    decoder = Decoder()
+    method = types.SimpleNamespace(live=True, session=lambda model: decoder)
+    logits = recall.copy_logits(None, trial, method)
+    assert decoder.prefilled == list(range(7)) and decoder.stepped == [7, 8]
+    assert trial.targets.tolist() == [8, 9] and trial.gap == 6
+    assert recall.score_copy(logits, trial.targets).correct == 2
 
 
 @pytest.mark.slow
