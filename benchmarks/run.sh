@@ -16,5 +16,7 @@ $KV eval --model smollm2-135m --task speed --contexts 1024,4096 --new-tokens 64 
   --json "$OUT/smollm2-135m-speed.json" | tee "$OUT/smollm2-135m-speed.md"
 $KV eval --model smollm2-135m --task passkey --lengths 512,1024,4096 --depths 0.1,0.5,0.9 --trials 2 \
   --methods fp16,int4,kivi-2,hf-quanto-4 --json "$OUT/smollm2-135m-passkey.json" | tee "$OUT/smollm2-135m-passkey.md"
+$KV eval --model smollm2-135m --task recall --distances 512,1024,2048 --trials 3 --methods fp16,int4,int2 \
+  --json "$OUT/smollm2-135m-recall.json" | tee "$OUT/smollm2-135m-recall.md"
 # Not run here: benchmarks/engine_check.sh (needs `make engines`, 3.5 GB) and benchmarks/engine_skip.py (needs
 # calibrated profiles); their tables are in benchmarks/README.md under "Inside the engines".

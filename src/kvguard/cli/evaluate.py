@@ -1,4 +1,5 @@
-"""``kvguard eval``: methods side by side on the same tokens (perplexity, pass-key retrieval, decode speed)."""
+"""``kvguard eval``: methods side by side on the same tokens (perplexity, pass-key retrieval, long-range recall,
+decode speed)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="quality, memory and speed through the cache, side by side with peers")
     add_model(p)
     p.add_argument("--profile", help="calibration profile (for the kvguard / kvguard-live / fp8 methods)")
-    from kvguard.evaluation import llamacpp
+    from kvguard.evaluation import llamacpp, recall
 
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated methods (default: %(default)s); llama.cpp's own KV types, run in llama.cpp on "
                         f"an embedded model's GGUF, deltas against {llamacpp.REFERENCE}: {', '.join(llamacpp.SPECS)}")
-    p.add_argument("--task", default="ppl", choices=["ppl", "passkey", "speed"], help="what to measure (default: %(default)s)")
+    p.add_argument("--task", default="ppl", choices=["ppl", "passkey", "recall", "speed"], help="what to measure (default: %(default)s)")
     p.add_argument("--corpus", default="prose", help="comma-separated eval corpora: prose, code, dialog, long (default: %(default)s)")
     p.add_argument("--text-file", help="evaluate this UTF-8 text file instead of a corpus")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per text (default: %(default)s)")
@@ -34,7 +35,13 @@ def add_parser(sub) -> None:
     p.add_argument("--json", help="also write the results as JSON to this file")
     p.add_argument("--lengths", default="1024,2048,4096", help="passkey: prompt lengths (default: %(default)s)")
     p.add_argument("--depths", default="0.1,0.5,0.9", help="passkey: needle depths (default: %(default)s)")
-    p.add_argument("--trials", type=int, default=3, help="passkey: prompts per length and depth (default: %(default)s)")
+    p.add_argument("--trials", type=int, default=3,
+                   help="passkey: prompts per length and depth; recall: prompts per distance (default: %(default)s)")
+    p.add_argument("--distances", default="512,1024,2048,4096",
+                   help="recall: filler tokens between the word list and its repeat (default: %(default)s)")
+    p.add_argument("--words", type=int, default=recall.DEFAULT_WORDS,
+                   help="recall: words in the list, one token each; the first of the repeat is not scored "
+                        "(default: %(default)s)")
     p.add_argument("--contexts", default="1024,4096", help="speed: context lengths (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64, help="speed: decode steps timed (default: %(default)s)")
     p.set_defaults(func=run)
@@ -59,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         profile.check_model(model)
     if args.task == "passkey":
         return _passkey(args, model, tok, names, profile)
+    if args.task == "recall":
+        return _recall(args, model, tok, names, profile)
     return _perplexity(args, model, streams, names, profile)
 
 
@@ -76,9 +85,11 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     in_llamacpp = [n for n in names if methods.reference_of(n) == llamacpp.REFERENCE]
     if in_llamacpp and args.task != "ppl":
         raise CommandError(f"--methods {in_llamacpp[0]}: the llama.cpp methods run in --task ppl only (llama.cpp keeps "
-                           f"its own cache; kvguard's passkey and speed tasks decode through a transformers cache)")
+                           f"its own cache; kvguard's passkey, recall and speed tasks decode through a transformers cache)")
     for flag in ("tokens", "windows", "chunk", "trials", "new_tokens"):
         positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.task == "recall":
+        _check_recall(args)
     if args.task == "ppl" and args.tokens < MIN_TOKENS:
         raise CommandError(f"--tokens {args.tokens} is too few: at least {MIN_TOKENS} tokens are needed (with fewer, the "
                            f"cache keeps them all in full precision and every method scores like fp16)")
@@ -119,6 +130,31 @@ def _passkey(args, model, tok, names: list[str], profile) -> int:
     if args.json:
         harness.write_json(args.json, {"model": args.model, "task": "passkey",
                                        "results": [dict(vars(r), accuracy=r.accuracy) for r in results]})
+    return 0
+
+
+def _check_recall(args: argparse.Namespace) -> None:
+    from kvguard.evaluation import recall
+
+    distances = csv(args.distances, int)
+    if not distances or min(distances) < 1:
+        raise CommandError(f"--distances must be positive token counts, e.g. 512,1024,2048, got {args.distances!r}")
+    if not 2 <= args.words <= recall.POOL_SIZE:
+        raise CommandError(f"--words must be in [2, {recall.POOL_SIZE}] (the first word of the repeat is not scored), "
+                           f"got {args.words}")
+
+
+def _recall(args, model, tok, names: list[str], profile) -> int:
+    from kvguard.evaluation import harness, methods, recall
+
+    results = []
+    for name in ["fp16"] + [n for n in names if n != "fp16"]:
+        results += recall.run(model, tok, methods.get(name, profile), csv(args.distances, int), args.trials,
+                              words=args.words)
+    print(recall.markdown_table(results))
+    if args.json:
+        harness.write_json(args.json, {"model": args.model, "task": "recall", "words": args.words,
+                                       "results": [r.to_json() for r in results]})
     return 0
 
 
