@@ -34,6 +34,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvguard import fused_attention
+
 ATTN_NAME = "kvguard"
 
 
@@ -44,6 +46,10 @@ class AttentionHook(Protocol):
 
 
 _HOOK: contextvars.ContextVar[AttentionHook | None] = contextvars.ContextVar("kvguard_attention_hook", default=None)
+_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvguard_fused_reads", default=False)
+# The read a cache layer's update deferred to this thread's next attention call: (the new keys it returned,
+# the fused_attention.StoredRead).
+_PENDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("kvguard_pending_read", default=None)
 # The implementation each installed model had before, by ``id`` of its config (which every attention module
 # shares; configs are unhashable), forgotten when the config is collected.
 _ORIGINAL: dict[int, str] = {}
@@ -83,6 +89,34 @@ def active_hook() -> AttentionHook | None:
     return _HOOK.get()
 
 
+@contextlib.contextmanager
+def fused_reads(model):
+    """Within this block (and this thread), KVGuard cache layers hand decode steps (at most
+    ``fused_attention.MAX_QUERY`` new tokens) to the fused decode attention instead of materializing their past,
+    unless a hook is active (hooks read the full K/V)."""
+    install(model)
+    token = _FUSED.set(True)
+    try:
+        yield
+    finally:
+        _FUSED.reset(token)
+        _PENDING.set(None)
+
+
+def fused_reads_active() -> bool:
+    """Whether a cache layer updated now may defer its read (inside :func:`fused_reads`, no hook active)."""
+    return _FUSED.get() and _HOOK.get() is None
+
+
+def defer_read(key: torch.Tensor, read) -> None:
+    """Called by a cache layer's ``update`` that returned only the new ``key`` / value: the next attention call
+    with that ``key`` attends over ``read`` (a :class:`~kvguard.fused_attention.StoredRead`) followed by it."""
+    if _PENDING.get() is not None:
+        raise RuntimeError("a cache layer deferred its read but no attention call took it: the model's attention "
+                           f"does not run through kvguard's harness (set_attn_implementation({ATTN_NAME!r}))")
+    _PENDING.set((key, read))
+
+
 def _original(config) -> str:
     return _ORIGINAL.get(id(config), "sdpa")
 
@@ -95,6 +129,15 @@ def _original_attention(module, name: str):
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    pending = _PENDING.get()
+    if pending is not None:
+        if pending[0] is not key:
+            raise RuntimeError(f"layer {getattr(module, 'layer_idx', '?')}: the keys attended to are not those the "
+                               f"cache returned, so its deferred read cannot be matched")
+        _PENDING.set(None)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = fused_attention.attend(query, pending[1], key, value, attention_mask, scaling=scaling, softcap=softcap)
+        return out.transpose(1, 2).contiguous(), None
     hook = _HOOK.get()
     if hook is None:
         forward = _original_attention(module, _original(module.config))
