@@ -15,6 +15,14 @@ Three parts of kvguard need to be inside the attention of a transformers model: 
   reads: ``0`` where a query may attend, the dtype's minimum where not. Without a mask function of its own an
   attention function receives no causal mask at all.
 
+- :func:`fused_reads` lets KVGuard cache layers defer a decode step's read: the layer's ``update`` returns only
+  the new K/V and hands :func:`defer_read` a :class:`~kvguard.fused_attention.StoredRead` of its stored past;
+  the attention function, called next with those very key tensors (matched by identity, so a read can never
+  reach another layer's attention), computes attention over both with :func:`kvguard.fused_attention.attend`,
+  which reads the codes without dequantizing them into a tensor. Layers defer only while no hook is active
+  (hooks read full K/V), and a deferred read that no attention call took is an error at the next one, not a
+  silent attention over the new tokens alone.
+
 A hook is called as ``hook(module, query, key, value, attention_mask, scaling=..., softcap=...)`` with
 ``query`` ``[B, H_q, T_q, D]``, ``key``/``value`` ``[B, H_kv, T_k, D]`` (after RoPE, as the cache returned them),
 and returns the attention output ``[B, H_q, T_q, D]``.

@@ -17,6 +17,14 @@ A layer stores the tokens it has seen, in order, as::
 
 Every tensor is ``[B, H_kv, T, D]`` (batch, KV heads, tokens, head_dim). ``update`` returns the stored past
 (dequantized, overlay applied) followed by the new tokens at the precision the model computed them in.
+
+**Fused decode reads.** Inside :func:`kvguard.attention.fused_reads` (which :class:`~kvguard.control.decoding.CacheDecoder`
+enters), an update of at most ``fused_attention.MAX_QUERY`` tokens with no attention hook active does not
+materialize: it records a :class:`~kvguard.fused_attention.StoredRead` (references to the stored segments as
+they are before the new tokens are appended, see :meth:`KVGuardLayer.stored_read`) with the harness, returns
+only the new tokens, and the harness's attention function attends over both through the C++ kernels, reading
+the codes directly. The numbers are today's up to float summation order; the columns (and so the mask) are the
+same. Everything else (prefill, hooks, a missing kernel build) keeps the materialized read.
 """
 
 from __future__ import annotations
@@ -282,7 +290,8 @@ class KVGuardLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ update / read
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens; return (past as stored + new tokens as computed), each ``[B, H, T, D]``."""
+        """Store the new tokens; return (past as stored + new tokens as computed), each ``[B, H, T, D]`` (only the
+        new tokens when the read is deferred to the fused decode attention; see the module docstring)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.read_fp_from = self.window_start()  # this read sees positions from here on at full precision
