@@ -127,15 +127,20 @@ def _decode_logits(model, cache, fused: bool, steps: int, gen):
     return torch.stack(logits)
 
 
-def test_tiny_model_decodes_the_same_with_the_fused_read():
+def test_tiny_model_decodes_the_same_with_the_fused_read(monkeypatch):
     from tests.helpers import tiny_llama
 
+    calls = []
+    real = fused_attention.attend
+    monkeypatch.setattr(fused_attention, "attend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     model = tiny_llama()
     config = CacheConfig(residual=4, sinks=2, group_size=4)
     precision = [("int4", "int2"), ("fp16", "int3")]
     fused_cache, slow_cache = KVGuardCache(model.config, precision, config), KVGuardCache(model.config, precision, config)
     fused = _decode_logits(model, fused_cache, True, 12, torch.Generator().manual_seed(0))
+    assert len(calls) == 24  # 12 steps x 2 layers
     slow = _decode_logits(model, slow_cache, False, 12, torch.Generator().manual_seed(0))
+    assert len(calls) == 24
     torch.testing.assert_close(fused, slow, rtol=1e-4, atol=1e-4)
 
 

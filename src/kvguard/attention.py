@@ -55,6 +55,7 @@ class AttentionHook(Protocol):
 
 _HOOK: contextvars.ContextVar[AttentionHook | None] = contextvars.ContextVar("kvguard_attention_hook", default=None)
 _FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvguard_fused_reads", default=False)
+_HOOK_TAKES_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("kvguard_hook_takes_reads", default=False)
 # The read a cache layer's update deferred to this thread's next attention call: (the new keys it returned,
 # the fused_attention.StoredRead).
 _PENDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("kvguard_pending_read", default=None)
@@ -83,13 +84,17 @@ def install(model) -> None:
 
 
 @contextlib.contextmanager
-def hooked(model, hook: AttentionHook):
-    """Within this block (and this thread), ``model``'s attention calls ``hook``."""
+def hooked(model, hook: AttentionHook, *, takes_reads: bool = False):
+    """Within this block (and this thread), ``model``'s attention calls ``hook``. With ``takes_reads`` the hook
+    also accepts deferred reads (see :func:`fused_reads`): it is then called with ``read=`` a
+    :class:`~kvguard.fused_attention.StoredRead` and only the new tokens as ``key`` / ``value``."""
     install(model)
     token = _HOOK.set(hook)
+    reads = _HOOK_TAKES_READS.set(takes_reads)
     try:
         yield
     finally:
+        _HOOK_TAKES_READS.reset(reads)
         _HOOK.reset(token)
 
 
@@ -101,7 +106,7 @@ def active_hook() -> AttentionHook | None:
 def fused_reads(model):
     """Within this block (and this thread), KVGuard cache layers hand decode steps (at most
     ``fused_attention.MAX_QUERY`` new tokens) to the fused decode attention instead of materializing their past,
-    unless a hook is active (hooks read the full K/V)."""
+    unless a hook that does not take reads is active (those read the full K/V)."""
     install(model)
     token = _FUSED.set(True)
     try:
@@ -113,7 +118,7 @@ def fused_reads(model):
 
 def fused_reads_active() -> bool:
     """Whether a cache layer updated now may defer its read (inside :func:`fused_reads`, no hook active)."""
-    return _FUSED.get() and _HOOK.get() is None
+    return _FUSED.get() and (_HOOK.get() is None or _HOOK_TAKES_READS.get())
 
 
 def defer_read(key: torch.Tensor, read) -> None:
@@ -144,7 +149,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                                f"cache returned, so its deferred read cannot be matched")
         _PENDING.set(None)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        out = fused_attention.attend(query, pending[1], key, value, attention_mask, scaling=scaling, softcap=softcap)
+        hook = _HOOK.get()
+        if hook is None:
+            out = fused_attention.attend(query, pending[1], key, value, attention_mask, scaling=scaling, softcap=softcap)
+        else:
+            out = hook(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, read=pending[1])
         return out.transpose(1, 2).contiguous(), None
     hook = _HOOK.get()
     if hook is None:

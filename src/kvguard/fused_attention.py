@@ -216,6 +216,15 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
            attention_mask: torch.Tensor | None, *, scaling: float, softcap: float | None = None) -> torch.Tensor:
     """Attention of ``query`` (``[B, H_q, T_q, D]``) over ``read`` followed by the new ``key`` / ``value``
     (``[B, H_kv, T_q, D]``): ``[B, H_q, T_q, D]`` in the query's dtype."""
+    return attend_with_probs(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)[0]
+
+
+def attend_with_probs(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, *, scaling: float,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend`, plus the attention probabilities ``[B, H_kv, rep * T_q, N]`` (float32; rows are
+    (query head within the KV head's group, query token), columns the stored tokens then the new ones), which
+    the run-time monitor reads its entropy from."""
     ops = kernels()
     if ops is None:
         raise RuntimeError("the fused decode attention is not built: python -m kvguard.fused_attention --build")
@@ -243,7 +252,7 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
         stored[..., overlay] = 0.0  # the overlay wins over the codes at these positions
     for seg in read.segments:
         _read_segment(ops, stored, out, seg)
-    return out.view(b, hkv, rep, tq, d).reshape(b, hq, tq, d).to(query.dtype)
+    return out.view(b, hkv, rep, tq, d).reshape(b, hq, tq, d).to(query.dtype), probs
 
 
 def main(argv: list[str] | None = None) -> int:

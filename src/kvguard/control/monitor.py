@@ -20,7 +20,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from kvguard import attention
+from kvguard import attention, fused_attention
 from kvguard.config import MonitorConfig
 from kvguard.entropy import EntropyBaseline, SequenceReference, baseline_ratio
 
@@ -141,11 +141,17 @@ class _LiveHook:
     def __init__(self, monitor: TokenMonitor, cache) -> None:
         self.monitor, self.cache = monitor, cache
 
-    def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap):
+    def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap, read=None):
         b, hq, t, d = query.shape
         hkv = key.shape[1]
         rep = hq // hkv
         layer = module.layer_idx
+        if read is not None:  # a deferred read: the fused kernels attend, and give the probabilities too
+            out, probs = fused_attention.attend_with_probs(query, read, key, value, attention_mask,
+                                                           scaling=scaling, softcap=softcap)
+            if t == 1 and bool(self.monitor.monitored[layer]):
+                self._observe(layer, probs.view(b, hkv, rep, -1))
+            return out
         if t != 1 or not bool(self.monitor.monitored[layer]):
             if softcap is not None:
                 raise NotImplementedError("kvguard's live attention does not support attention logit soft-capping")
@@ -161,9 +167,15 @@ class _LiveHook:
             scores = scores + attention_mask[..., :n].float().view(attention_mask.shape[0], 1, 1, n)
         probs = torch.softmax(scores, dim=-1)
         out = (probs.to(value.dtype) @ value).view(b, hq, 1, d)
+        self._observe(layer, probs)
+        return out
+
+    def _observe(self, layer: int, probs: torch.Tensor) -> None:
+        """Record a one-token query's ``[B, H_kv, rep, N]`` probabilities over the stored past and itself."""
+        n = probs.shape[-1]
+        cache_layer = self.cache.layers[layer]
         first = cache_layer.length - n  # absolute position of the first key (stored past, then the new token)
         self.monitor.observe(layer, probs, first, _read_error(cache_layer, first, n))
-        return out
 
 
 def _read_error(cache_layer, first: int, n: int) -> torch.Tensor | None:
@@ -180,6 +192,8 @@ def _read_error(cache_layer, first: int, n: int) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def live_attention(model, monitor: TokenMonitor, cache):
-    """Within this block (and this thread), ``model`` attends through the monitor (see module docstring)."""
-    with attention.hooked(model, _LiveHook(monitor, cache)):
+    """Within this block (and this thread), ``model`` attends through the monitor (see module docstring); decode
+    steps read the cache through the fused decode attention when it is built (:mod:`kvguard.fused_attention`),
+    which also returns the probabilities the monitor records."""
+    with attention.fused_reads(model), attention.hooked(model, _LiveHook(monitor, cache), takes_reads=True):
         yield
