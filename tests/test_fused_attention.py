@@ -179,8 +179,11 @@ def test_unconsumed_read_is_refused():
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_unchanged(smollm2):
     model, tok = smollm2
-    ids = tok("The history of the printing press begins", return_tensors="pt").input_ids[0]
-    config = CacheConfig(residual=16, sinks=4, group_size=32)
-    tokens = [generate(CacheDecoder(model, KVGuardCache(model.config, "int4", config), fused=fused), ids, 48).tokens
-              for fused in (False, True)]
-    assert tokens[0] == tokens[1] and len(tokens[0]) == 48
+    text = "The printing press spread across Europe within decades, and with it cheap books, pamphlets and news. "
+    ids = tok(text * 3 + "In the next century", return_tensors="pt").input_ids[0]
+    config = CacheConfig(residual=8, sinks=4, group_size=16)  # most of the prompt is stored as codes
+    caches = [KVGuardCache(model.config, "int4", config) for _ in range(2)]
+    tokens = [generate(CacheDecoder(model, cache, fused=fused), ids, 24).tokens
+              for cache, fused in zip(caches, (False, True))]
+    assert caches[1].layers[0].stored_tokens > 64 and sum(r.length for r in caches[1].layers[0]._runs) >= 48
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 24

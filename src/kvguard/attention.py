@@ -35,6 +35,7 @@ import contextvars
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -56,9 +57,17 @@ class AttentionHook(Protocol):
 _HOOK: contextvars.ContextVar[AttentionHook | None] = contextvars.ContextVar("kvguard_attention_hook", default=None)
 _FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvguard_fused_reads", default=False)
 _HOOK_TAKES_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("kvguard_hook_takes_reads", default=False)
-# The read a cache layer's update deferred to this thread's next attention call: (the new keys it returned,
-# the fused_attention.StoredRead).
-_PENDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("kvguard_pending_read", default=None)
+
+
+@dataclass(frozen=True)
+class _PendingRead:
+    """The read a cache layer's update deferred to this thread's next attention call."""
+
+    key: torch.Tensor  # the new keys the update returned: the attention call must receive these very tensors
+    read: "fused_attention.StoredRead"
+
+
+_PENDING: contextvars.ContextVar[_PendingRead | None] = contextvars.ContextVar("kvguard_pending_read", default=None)
 # The implementation each installed model had before, by ``id`` of its config (which every attention module
 # shares; configs are unhashable), forgotten when the config is collected.
 _ORIGINAL: dict[int, str] = {}
@@ -127,7 +136,7 @@ def defer_read(key: torch.Tensor, read) -> None:
     if _PENDING.get() is not None:
         raise RuntimeError("a cache layer deferred its read but no attention call took it: the model's attention "
                            f"does not run through kvguard's harness (set_attn_implementation({ATTN_NAME!r}))")
-    _PENDING.set((key, read))
+    _PENDING.set(_PendingRead(key, read))
 
 
 def _original(config) -> str:
@@ -144,16 +153,16 @@ def _original_attention(module, name: str):
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
     pending = _PENDING.get()
     if pending is not None:
-        if pending[0] is not key:
+        if pending.key is not key:
             raise RuntimeError(f"layer {getattr(module, 'layer_idx', '?')}: the keys attended to are not those the "
                                f"cache returned, so its deferred read cannot be matched")
         _PENDING.set(None)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         hook = _HOOK.get()
         if hook is None:
-            out = fused_attention.attend(query, pending[1], key, value, attention_mask, scaling=scaling, softcap=softcap)
+            out = fused_attention.attend(query, pending.read, key, value, attention_mask, scaling=scaling, softcap=softcap)
         else:
-            out = hook(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, read=pending[1])
+            out = hook(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, read=pending.read)
         return out.transpose(1, 2).contiguous(), None
     hook = _HOOK.get()
     if hook is None:
