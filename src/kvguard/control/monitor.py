@@ -1,7 +1,9 @@
 """The run-time monitor: attention entropy and quantization-error evidence, token by token, cheaply.
 
 While a sequence decodes, an attention hook (:mod:`kvguard.attention`; no modeling code is forked) computes each
-monitored layer's attention explicitly for the one new query and records
+monitored layer's attention explicitly for the one new query (through the fused decode attention,
+:mod:`kvguard.fused_attention`, which reads the quantized codes directly and returns the probabilities, when it
+is built; otherwise over the materialized cache) and records
 
 - its entropy (mean over query heads) against the profile's length-aware baseline: ``drop = 1 - H / H_base``;
 - the attention-weighted relative quantization error of the keys and values it read (the cache records each
