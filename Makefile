@@ -17,13 +17,14 @@ test: $(STAMP) tools
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-ray.txt requirements-peers.txt src/kvguard/assets.py pyproject.toml
+$(STAMP): requirements.txt requirements-ray.txt requirements-peers.txt src/kvguard/assets.py pyproject.toml src/kvguard/fused_attention.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q -r requirements-ray.txt
 	$(PY) -m pip install -q -r requirements-peers.txt || echo "make: llama-cpp-python could not be built (it needs cmake and a C++ compiler): the llamacpp-* methods will say so"
 	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m kvguard.fused_attention --build || echo "make: the fused decode attention could not be built (it needs g++ and ninja): decoding will dequantize the cache at every step"
 	$(PY) -m kvguard install-assets -- -q
 	touch $(STAMP)
 

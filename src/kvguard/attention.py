@@ -15,6 +15,14 @@ Three parts of kvguard need to be inside the attention of a transformers model: 
   reads: ``0`` where a query may attend, the dtype's minimum where not. Without a mask function of its own an
   attention function receives no causal mask at all.
 
+- :func:`fused_reads` lets KVGuard cache layers defer a decode step's read: the layer's ``update`` returns only
+  the new K/V and hands :func:`defer_read` a :class:`~kvguard.fused_attention.StoredRead` of its stored past;
+  the attention function, called next with those very key tensors (matched by identity, so a read can never
+  reach another layer's attention), computes attention over both with :func:`kvguard.fused_attention.attend`,
+  which reads the codes without dequantizing them into a tensor. Layers defer only while no hook is active
+  (hooks read full K/V), and a deferred read that no attention call took is an error at the next one, not a
+  silent attention over the new tokens alone.
+
 A hook is called as ``hook(module, query, key, value, attention_mask, scaling=..., softcap=...)`` with
 ``query`` ``[B, H_q, T_q, D]``, ``key``/``value`` ``[B, H_kv, T_k, D]`` (after RoPE, as the cache returned them),
 and returns the attention output ``[B, H_q, T_q, D]``.
@@ -27,12 +35,15 @@ import contextvars
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvguard import fused_attention
 
 ATTN_NAME = "kvguard"
 
@@ -44,6 +55,19 @@ class AttentionHook(Protocol):
 
 
 _HOOK: contextvars.ContextVar[AttentionHook | None] = contextvars.ContextVar("kvguard_attention_hook", default=None)
+_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvguard_fused_reads", default=False)
+_HOOK_TAKES_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("kvguard_hook_takes_reads", default=False)
+
+
+@dataclass(frozen=True)
+class _PendingRead:
+    """The read a cache layer's update deferred to this thread's next attention call."""
+
+    key: torch.Tensor  # the new keys the update returned: the attention call must receive these very tensors
+    read: "fused_attention.StoredRead"
+
+
+_PENDING: contextvars.ContextVar[_PendingRead | None] = contextvars.ContextVar("kvguard_pending_read", default=None)
 # The implementation each installed model had before, by ``id`` of its config (which every attention module
 # shares; configs are unhashable), forgotten when the config is collected.
 _ORIGINAL: dict[int, str] = {}
@@ -69,18 +93,50 @@ def install(model) -> None:
 
 
 @contextlib.contextmanager
-def hooked(model, hook: AttentionHook):
-    """Within this block (and this thread), ``model``'s attention calls ``hook``."""
+def hooked(model, hook: AttentionHook, *, takes_reads: bool = False):
+    """Within this block (and this thread), ``model``'s attention calls ``hook``. With ``takes_reads`` the hook
+    also accepts deferred reads (see :func:`fused_reads`): it is then called with ``read=`` a
+    :class:`~kvguard.fused_attention.StoredRead` and only the new tokens as ``key`` / ``value``."""
     install(model)
     token = _HOOK.set(hook)
+    reads = _HOOK_TAKES_READS.set(takes_reads)
     try:
         yield
     finally:
+        _HOOK_TAKES_READS.reset(reads)
         _HOOK.reset(token)
 
 
 def active_hook() -> AttentionHook | None:
     return _HOOK.get()
+
+
+@contextlib.contextmanager
+def fused_reads(model):
+    """Within this block (and this thread), KVGuard cache layers hand decode steps (at most
+    ``fused_attention.MAX_QUERY`` new tokens) to the fused decode attention instead of materializing their past,
+    unless a hook that does not take reads is active (those read the full K/V)."""
+    install(model)
+    token = _FUSED.set(True)
+    try:
+        yield
+    finally:
+        _FUSED.reset(token)
+        _PENDING.set(None)
+
+
+def fused_reads_active() -> bool:
+    """Whether a cache layer updated now may defer its read (inside :func:`fused_reads`, no hook active)."""
+    return _FUSED.get() and (_HOOK.get() is None or _HOOK_TAKES_READS.get())
+
+
+def defer_read(key: torch.Tensor, read) -> None:
+    """Called by a cache layer's ``update`` that returned only the new ``key`` / value: the next attention call
+    with that ``key`` attends over ``read`` (a :class:`~kvguard.fused_attention.StoredRead`) followed by it."""
+    if _PENDING.get() is not None:
+        raise RuntimeError("a cache layer deferred its read but no attention call took it: the model's attention "
+                           f"does not run through kvguard's harness (set_attn_implementation({ATTN_NAME!r}))")
+    _PENDING.set(_PendingRead(key, read))
 
 
 def _original(config) -> str:
@@ -95,6 +151,19 @@ def _original_attention(module, name: str):
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    pending = _PENDING.get()
+    if pending is not None:
+        if pending.key is not key:
+            raise RuntimeError(f"layer {getattr(module, 'layer_idx', '?')}: the keys attended to are not those the "
+                               f"cache returned, so its deferred read cannot be matched")
+        _PENDING.set(None)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        hook = _HOOK.get()
+        if hook is None:
+            out = fused_attention.attend(query, pending.read, key, value, attention_mask, scaling=scaling, softcap=softcap)
+        else:
+            out = hook(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, read=pending.read)
+        return out.transpose(1, 2).contiguous(), None
     hook = _HOOK.get()
     if hook is None:
         forward = _original_attention(module, _original(module.config))

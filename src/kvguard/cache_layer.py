@@ -17,6 +17,14 @@ A layer stores the tokens it has seen, in order, as::
 
 Every tensor is ``[B, H_kv, T, D]`` (batch, KV heads, tokens, head_dim). ``update`` returns the stored past
 (dequantized, overlay applied) followed by the new tokens at the precision the model computed them in.
+
+**Fused decode reads.** Inside :func:`kvguard.attention.fused_reads` (which :class:`~kvguard.control.decoding.CacheDecoder`
+enters), an update of at most ``fused_attention.MAX_QUERY`` tokens with no attention hook active does not
+materialize: it records a :class:`~kvguard.fused_attention.StoredRead` (references to the stored segments as
+they are before the new tokens are appended, see :meth:`KVGuardLayer.stored_read`) with the harness, returns
+only the new tokens, and the harness's attention function attends over both through the C++ kernels, reading
+the codes directly. The numbers are today's up to float summation order; the columns (and so the mask) are the
+same. Everything else (prefill, hooks, a missing kernel build) keeps the materialized read.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Callable, Sequence
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvguard import rotation
+from kvguard import attention, fused_attention, rotation
 from kvguard.config import CacheConfig
 from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize
@@ -282,10 +290,18 @@ class KVGuardLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ update / read
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens; return (past as stored + new tokens as computed), each ``[B, H, T, D]``."""
+        """Store the new tokens; return (past as stored + new tokens as computed), each ``[B, H, T, D]`` (only the
+        new tokens when the read is deferred to the fused decode attention; see the module docstring)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.read_fp_from = self.window_start()  # this read sees positions from here on at full precision
+        if self._defers(key_states.shape[-2]):
+            # The harness attends over the past as stored now (the snapshot keeps it while tokens are appended).
+            attention.defer_read(key_states, self.stored_read())
+            self.stored_last_update = False
+            self._append(key_states, value_states)
+            self._trim()
+            return key_states, value_states
         past_k, past_v = self.materialize(key_states.dtype)
         self.stored_last_update = False
         self._append(key_states, value_states)
@@ -293,6 +309,33 @@ class KVGuardLayer(CacheLayerMixin):
         if past_k.shape[-2] == 0:
             return key_states, value_states
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+
+    def _defers(self, new_tokens: int) -> bool:
+        """Whether this update hands its read to the fused decode attention instead of materializing."""
+        return (self.stored_tokens > 0 and new_tokens <= fused_attention.MAX_QUERY
+                and attention.fused_reads_active() and fused_attention.available())
+
+    def stored_read(self) -> fused_attention.StoredRead:
+        """The stored past as segments of codes and full-precision tensors, for the fused decode attention
+        (references to the stored tensors, which appending never modifies in place)."""
+        segments, column = [], self._sinks_k.shape[-2]
+        if column:
+            segments.append(fused_attention.StoredSegment(0, column, None, self._sinks_k, self._sinks_v))
+        for run in self._runs:
+            for part in run.parts:
+                pl = part.layout
+                heads = None if len(pl.heads) == self.num_heads else part.index
+                segments.append(fused_attention.StoredSegment(
+                    column, run.length, heads, part.keys, part.values,
+                    part.rotation if pl.key_rotated else None, part.rotation if pl.value_rotated else None))
+            column += run.length
+        if self._win_k.shape[-2]:
+            segments.append(fused_attention.StoredSegment(column, self._win_k.shape[-2], None, self._win_k, self._win_v))
+            column += self._win_k.shape[-2]
+        if self._overlay_pos is None or not self._overlay_pos.numel():
+            return fused_attention.StoredRead(tuple(segments), column)
+        return fused_attention.StoredRead(tuple(segments), column, self._overlay_pos - self.offset,
+                                          self._overlay_k, self._overlay_v)
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         n = keys.shape[-2]

@@ -1,16 +1,19 @@
 """The monitor's building blocks without a model: thresholds, the sequence reference, windows, alarms, ROC
-AUC and the risk classifier."""
+AUC and the risk classifier; and its attention hook on a tiny random model, fused read against today's."""
 
 import math
 
 import pytest
 import torch
 
+from kvguard import attention, fused_attention
+from kvguard.cache import KVGuardCache
+from kvguard.config import CacheConfig
 from kvguard.entropy import EntropyBaseline, SequenceReference, baseline_ratio
 from kvguard.calibration.monitor_fit import replay_alarms
 from kvguard.calibration.signals import window_means
 from kvguard.config import MonitorConfig
-from kvguard.control.monitor import TokenMonitor
+from kvguard.control.monitor import TokenMonitor, _LiveHook, live_attention
 from kvguard.control.recompute import ceil_fraction
 from kvguard.control.risk import RiskClassifier
 from kvguard.evaluation.metrics import roc_auc
@@ -138,3 +141,33 @@ def test_token_monitor_records_drop_error_and_mass():
     assert bool(mon.nonfinite)
     assert mon.features().shape == (2, 4)
     assert ceil_fraction(0.02, 100) == 2 and ceil_fraction(0.02, 10) == 1 and ceil_fraction(0.02, 0) == 0
+
+
+@pytest.mark.skipif(not fused_attention.available(), reason="fused kernels not built: make install")
+def test_live_attention_reads_fused_and_records_the_same_evidence(monkeypatch):
+    from tests.helpers import tiny_llama
+
+    calls = []
+    real = fused_attention.attend_with_probs
+    monkeypatch.setattr(fused_attention, "attend_with_probs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = tiny_llama()
+    config = CacheConfig(residual=4, sinks=2, group_size=4)
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    results = []
+    for fused in (False, True):
+        cache = KVGuardCache(model.config, [("int4", "int2"), ("int3", "fp16")], config)
+        for layer in cache.layers:
+            layer.track_error = True
+        mon = TokenMonitor(_baseline(), MonitorConfig(window_tokens=4), 2, sliding_window=None)
+        hook = _LiveHook(mon, cache)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        logits = []
+        for token in (5, 9, 11, 3, 7, 2):
+            reads = live_attention(model, mon, cache) if fused else attention.hooked(model, hook)
+            with torch.no_grad(), reads:
+                logits.append(model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits)
+            mon.end_token()
+        assert len(calls) == (12 if fused else 0)  # 6 steps x 2 layers
+        results.append((torch.cat(logits), mon.entropies.clone(), mon.werrs.clone(), mon.attention_mass(1, 36)))
+    for slow, fast in zip(*results):
+        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)

@@ -8,12 +8,14 @@ a static plan or a peer's).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Protocol
 
 import torch
 
+from kvguard import attention
 from kvguard.control.sampling import GREEDY, Sampler
 
 
@@ -66,17 +68,24 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, max_new_tokens: int, *,
 
 class CacheDecoder:
     """Decoding through a bare cache (no feedback loop): a plan's :class:`~kvguard.cache.KVGuardCache`, an FP8
-    cache or a peer's."""
+    cache or a peer's.
 
-    def __init__(self, model, cache) -> None:
-        self.model, self.cache = model, cache
+    With ``fused`` (the default) a KVGuard cache's decode steps read its codes through the fused decode
+    attention (:mod:`kvguard.fused_attention`) instead of dequantizing the history at every step; other caches
+    are unaffected."""
+
+    def __init__(self, model, cache, *, fused: bool = True) -> None:
+        self.model, self.cache, self.fused = model, cache, fused
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        reads = attention.fused_reads(self.model) if self.fused else contextlib.nullcontext()
+        with reads:
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0, -1].float()
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = torch.as_tensor(ids).reshape(1, -1).to(self.model.device)
-        return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0, -1].float()
+        return self._forward(torch.as_tensor(ids).reshape(1, -1).to(self.model.device))
 
     @torch.no_grad()
     def step(self, token: int) -> torch.Tensor:
-        ids = torch.tensor([[int(token)]], device=self.model.device)
-        return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0, -1].float()
+        return self._forward(torch.tensor([[int(token)]], device=self.model.device))

@@ -1,7 +1,9 @@
 """The run-time monitor: attention entropy and quantization-error evidence, token by token, cheaply.
 
 While a sequence decodes, an attention hook (:mod:`kvguard.attention`; no modeling code is forked) computes each
-monitored layer's attention explicitly for the one new query and records
+monitored layer's attention explicitly for the one new query (through the fused decode attention,
+:mod:`kvguard.fused_attention`, which reads the quantized codes directly and returns the probabilities, when it
+is built; otherwise over the materialized cache) and records
 
 - its entropy (mean over query heads) against the profile's length-aware baseline: ``drop = 1 - H / H_base``;
 - the attention-weighted relative quantization error of the keys and values it read (the cache records each
@@ -20,7 +22,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from kvguard import attention
+from kvguard import attention, fused_attention
 from kvguard.config import MonitorConfig
 from kvguard.entropy import EntropyBaseline, SequenceReference, baseline_ratio
 
@@ -141,11 +143,17 @@ class _LiveHook:
     def __init__(self, monitor: TokenMonitor, cache) -> None:
         self.monitor, self.cache = monitor, cache
 
-    def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap):
+    def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap, read=None):
         b, hq, t, d = query.shape
         hkv = key.shape[1]
         rep = hq // hkv
         layer = module.layer_idx
+        if read is not None:  # a deferred read: the fused kernels attend, and give the probabilities too
+            out, probs = fused_attention.attend_with_probs(query, read, key, value, attention_mask,
+                                                           scaling=scaling, softcap=softcap)
+            if t == 1 and bool(self.monitor.monitored[layer]):
+                self._observe(layer, probs.view(b, hkv, rep, -1))
+            return out
         if t != 1 or not bool(self.monitor.monitored[layer]):
             if softcap is not None:
                 raise NotImplementedError("kvguard's live attention does not support attention logit soft-capping")
@@ -161,9 +169,15 @@ class _LiveHook:
             scores = scores + attention_mask[..., :n].float().view(attention_mask.shape[0], 1, 1, n)
         probs = torch.softmax(scores, dim=-1)
         out = (probs.to(value.dtype) @ value).view(b, hq, 1, d)
+        self._observe(layer, probs)
+        return out
+
+    def _observe(self, layer: int, probs: torch.Tensor) -> None:
+        """Record a one-token query's ``[B, H_kv, rep, N]`` probabilities over the stored past and itself."""
+        n = probs.shape[-1]
+        cache_layer = self.cache.layers[layer]
         first = cache_layer.length - n  # absolute position of the first key (stored past, then the new token)
         self.monitor.observe(layer, probs, first, _read_error(cache_layer, first, n))
-        return out
 
 
 def _read_error(cache_layer, first: int, n: int) -> torch.Tensor | None:
@@ -180,6 +194,8 @@ def _read_error(cache_layer, first: int, n: int) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def live_attention(model, monitor: TokenMonitor, cache):
-    """Within this block (and this thread), ``model`` attends through the monitor (see module docstring)."""
-    with attention.hooked(model, _LiveHook(monitor, cache)):
+    """Within this block (and this thread), ``model`` attends through the monitor (see module docstring); decode
+    steps read the cache through the fused decode attention when it is built (:mod:`kvguard.fused_attention`),
+    which also returns the probabilities the monitor records."""
+    with attention.fused_reads(model), attention.hooked(model, _LiveHook(monitor, cache), takes_reads=True):
         yield

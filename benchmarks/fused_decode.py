@@ -1,0 +1,68 @@
+"""Decode step time of the fused read against today's materialized read, interleaved in one process.
+
+One prefill (a DynamicCache) gives every layer's prompt K/V; each cache under test is filled from them with the
+same ``update`` call the model's prefill makes, so all start from the same state. Then every cache decodes the
+same greedy tokens, one step each in turn, so a loaded machine slows every variant alike; the medians and their
+ratio to ``fp16`` (fused) come from the same run.
+
+    python benchmarks/fused_decode.py --context 4096 --steps 16 --precisions fp16,int4,int2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from kvguard import data, models
+from kvguard.cache import KVGuardCache
+from kvguard.control.decoding import CacheDecoder
+
+
+def _filled(model, prompt_cache: DynamicCache, precision: str) -> KVGuardCache:
+    cache = KVGuardCache(model.config, precision)
+    for idx, layer in enumerate(prompt_cache.layers):
+        cache.update(layer.keys, layer.values, idx)
+    return cache
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--precisions", default="fp16,int4,int2")
+    args = parser.parse_args()
+    model, tok = models.load(args.model)
+    ids = data.token_stream("long", "eval", tok, args.context).reshape(1, -1)
+    prompt_cache = DynamicCache(config=model.config)
+    first = int(model(input_ids=ids, cache=prompt_cache, use_cache=True).logits[0, -1].argmax())
+    decoders = {}
+    for precision in args.precisions.split(","):
+        cache = _filled(model, prompt_cache, precision)
+        decoders[f"{precision} fused"] = CacheDecoder(model, cache, fused=True)
+        decoders[f"{precision} materialized"] = CacheDecoder(model, copy.deepcopy(cache), fused=False)
+    tokens = {name: first for name in decoders}
+    seconds: dict[str, list[float]] = {name: [] for name in decoders}
+    for step in range(args.steps + 1):
+        for name, decoder in decoders.items():
+            started = time.perf_counter()
+            logits = decoder.step(tokens[name])
+            if step:  # the first step warms up
+                seconds[name].append(time.perf_counter() - started)
+            tokens[name] = int(logits.argmax())
+    base = statistics.median(seconds[f"{args.precisions.split(',')[0]} fused"])
+    print(f"| context {args.context} | median ms/step | tok/s | vs {args.precisions.split(',')[0]} fused |")
+    print("|---|---|---|---|")
+    for name, values in seconds.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median * 1e3:.1f} | {1 / median:.2f} | {base / median:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Decode attention that reads the quantized cache's codes directly, without materializing the history.
+
+Today's read (``KVGuardLayer.materialize``) dequantizes every stored token into a float tensor at every decode
+step and hands the model the concatenation. For a decode step (at most :data:`MAX_QUERY` new tokens) the layer
+instead hands the attention harness (:mod:`kvguard.attention`) a :class:`StoredRead`: the segments of its
+stored past, as they were before this step's tokens were appended, and :func:`attend` computes
+
+    softmax(q . k / sqrt(D) + mask) @ v
+
+over them segment by segment, in columns ``[ sinks | run 0 parts | ... | window | new tokens ]`` (the same
+columns, hence the same mask, as the materialized tensor):
+
+- **scores**: quantized parts by :func:`key_scores` in C++ (``fused_attention.cpp``: unpack one token's codes,
+  dequantize them into a buffer as ``QuantizedTensor.dequantize`` does, dot them with every query row the KV
+  head serves, grouped-query heads and query tokens together), full-precision segments (sinks, window, FP16
+  parts, the new tokens, overlay positions) by plain matmuls. Keys stored rotated (``k @ R``) are scored
+  against the rotated query ``q @ R``: ``q . k = (q R) . (k R)``.
+- **softmax** over the whole row at once, after the mask transformers passed (boolean or additive; ``None``
+  for an unpadded one-token step) and soft-capping, so the probabilities equal the reference's up to float
+  summation order. The score row is ``H_q * T_q * N`` floats, tiny next to the ``2 * H_kv * N * D`` of K/V.
+- **values**: quantized parts by :func:`value_accumulate` (the same unpack-dequantize loop, accumulating
+  ``p * v`` per token block, blocks summed in a fixed order so the result does not depend on the thread
+  count), the rest by matmuls; values stored rotated give ``(p @ v R) R^T``. Overlay positions (``write_fp``)
+  are scored from the overlay, and their columns are zeroed in the probabilities the run parts read.
+
+The C++ kernels are compiled by the install (``make install`` runs ``python -m kvguard.fused_attention
+--build``) with ``torch.utils.cpp_extension`` into :func:`build_dir` (the venv, or ``$KVGUARD_HOME/kernels``
+outside one), for this machine's CPU (``-O3 -march=native``, OpenMP through ``at::parallel_for``). At run time
+:func:`kernels` loads the built module; if it is missing, stale (the source changed since) or fails to load,
+kvguard warns once and layers keep today's read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvguard import rotation
+from kvguard.quantizer import Axis, QuantizedTensor
+
+MAX_QUERY = 8  # new tokens per step read through the kernels; a longer chunk (a prefill) materializes
+NAME = "kvguard_decode_attention"
+SOURCE = Path(__file__).with_name("fused_attention.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LOADED: list = []  # [module or None] once loading was tried
+
+
+@dataclass(frozen=True)
+class StoredSegment:
+    """Stored tokens ``[start, start + length)`` (columns: positions minus the layer's offset) of some heads.
+
+    Attributes:
+        heads: the layer's KV heads it holds (``LongTensor``), ``None`` for all of them.
+        keys / values: ``[B, h, length, D]``: a :class:`QuantizedTensor` or a full-precision tensor.
+        key_signs / value_signs: the heads' ``[h, D]`` rotation signs when that side is stored rotated.
+    """
+
+    start: int
+    length: int
+    heads: torch.Tensor | None
+    keys: "QuantizedTensor | torch.Tensor"
+    values: "QuantizedTensor | torch.Tensor"
+    key_signs: torch.Tensor | None = None
+    value_signs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StoredRead:
+    """What a decode step reads from a layer: its stored past before the step's tokens were appended.
+
+    Attributes:
+        segments: every stored stretch, in column order (sinks, each run's parts, window).
+        length: stored tokens (the new tokens' columns follow).
+        overlay_columns: ``[P]`` columns served from the full-precision overlay (``None``: no overlay), with
+            ``overlay_keys`` / ``overlay_values`` ``[B, H_kv, P, D]``.
+    """
+
+    segments: tuple[StoredSegment, ...]
+    length: int
+    overlay_columns: torch.Tensor | None = None
+    overlay_keys: torch.Tensor | None = None
+    overlay_values: torch.Tensor | None = None
+
+
+# ------------------------------------------------------------------------------------------ the extension
+def build_dir() -> Path:
+    """Where the compiled kernels live: inside the venv, or ``$KVGUARD_HOME/kernels`` (default
+    ``~/.cache/kvguard/kernels``) for an interpreter outside one."""
+    if sys.prefix != sys.base_prefix:
+        return Path(sys.prefix) / "kvguard-kernels"
+    home = os.environ.get("KVGUARD_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvguard")
+    return Path(home).expanduser() / "kernels"
+
+
+def _source_hash() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()
+
+
+def build(verbose: bool = False):
+    """Compile the kernels into :func:`build_dir` (needs a C++ compiler and ninja; offline) and return them."""
+    from torch.utils.cpp_extension import load
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    module = load(name=NAME, sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=_FLAGS,
+                  extra_ldflags=["-fopenmp"], verbose=verbose)
+    (folder / "source.sha256").write_text(_source_hash())
+    _LOADED[:] = [module]
+    return module
+
+
+def _load_built():
+    folder = build_dir()
+    library, stamp = folder / f"{NAME}.so", folder / "source.sha256"
+    if not library.exists() or not stamp.exists():
+        raise FileNotFoundError(f"no built kernels in {folder}")
+    if stamp.read_text().strip() != _source_hash():
+        raise RuntimeError(f"the kernels in {folder} were built from another version of {SOURCE.name}")
+    spec = importlib.util.spec_from_file_location(NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernels():
+    """The compiled kernels, or ``None`` (with one warning) when they are not built or do not load."""
+    if not _LOADED:
+        try:
+            _LOADED.append(_load_built())
+        except (OSError, RuntimeError, ImportError) as err:
+            _LOADED.append(None)
+            warnings.warn(f"kvguard's fused decode attention is unavailable ({err}); decoding dequantizes the cache "
+                          f"at every step instead. Build it with: python -m kvguard.fused_attention --build",
+                          RuntimeWarning, stacklevel=2)
+    return _LOADED[0]
+
+
+def available() -> bool:
+    return kernels() is not None
+
+
+# ------------------------------------------------------------------------------------------ attention
+def _codes(x: QuantizedTensor, batch: int, heads: int) -> tuple:
+    """The kernel arguments of a quantized part: codes, scale, zero, bits, tokens per scale row, channels per
+    scale entry (see ``fused_attention.cpp``)."""
+    spec, (tokens, dim) = x.spec, x.shape[-2:]
+    codes = x.qdata.view(torch.uint8) if x.qdata.dtype == torch.int8 else x.qdata
+    zero = x.zero_point if x.zero_point is not None else torch.empty(0, dtype=x.scale.dtype)
+    if spec.static:
+        # One calibrated [1, h, 1, D] scale shared by every token: row 0 for all of them.
+        return codes, x.scale.expand(batch, heads, 1, dim), zero, 8, max(tokens, 1), 1
+    if spec.axis is Axis.CHANNEL:
+        return codes, x.scale, zero, spec.precision.bits, spec.group_size, 1
+    return codes, x.scale, zero, spec.precision.bits, 1, spec.group_size
+
+
+def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegment) -> None:
+    qs = q if seg.heads is None else q.index_select(1, seg.heads)
+    if seg.key_signs is not None:
+        qs = rotation.rotate(qs, seg.key_signs)  # (q R) . (k R) = q . k
+    if isinstance(seg.keys, QuantizedTensor):
+        heads = seg.heads if seg.heads is not None else torch.empty(0, dtype=torch.long)
+        ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_codes(seg.keys, q.shape[0], qs.shape[1]))
+        return
+    part = qs @ seg.keys.to(torch.float32).transpose(-1, -2)  # [B, h, R, T]
+    if seg.heads is None:
+        scores[..., seg.start:seg.start + seg.length] = part
+    else:
+        scores[:, seg.heads, :, seg.start:seg.start + seg.length] = part
+
+
+def _read_segment(ops, probs: torch.Tensor, out: torch.Tensor, seg: StoredSegment) -> None:
+    if isinstance(seg.values, QuantizedTensor):
+        heads = seg.heads if seg.heads is not None else torch.empty(0, dtype=torch.long)
+        h = out.shape[1] if seg.heads is None else seg.heads.numel()
+        part = ops.value_accumulate(probs, seg.start, heads, *_codes(seg.values, out.shape[0], h), out.shape[-1])
+    else:
+        p = probs[..., seg.start:seg.start + seg.length]
+        p = p if seg.heads is None else p.index_select(1, seg.heads)
+        part = p @ seg.values.to(torch.float32)  # [B, h, R, D]
+    if seg.value_signs is not None:
+        part = rotation.unrotate(part, seg.value_signs)  # (p @ v R) R^T = p @ v
+    if seg.heads is None:
+        out += part
+    else:
+        out.index_add_(1, seg.heads, part)
+
+
+def _mask_(scores: torch.Tensor, attention_mask: torch.Tensor | None, rep: int, stored: int) -> None:
+    """Apply transformers' mask (``[B, 1, T_q, >= N]``, boolean: True attends; or additive float) in place;
+    without one, causality among several new tokens."""
+    b, hkv, r, n = scores.shape
+    tq = r // rep
+    view = scores.view(b, hkv, rep, tq, n)
+    if attention_mask is None:
+        if tq > 1:
+            future = torch.ones(tq, tq, dtype=torch.bool, device=scores.device).triu(1)
+            view[..., stored:].masked_fill_(future, float("-inf"))
+        return
+    mask = attention_mask[..., :n].unsqueeze(2)  # [B, 1, 1, T_q, N]
+    if mask.dtype == torch.bool:
+        view.masked_fill_(~mask, float("-inf"))
+    else:
+        view.add_(mask.to(scores.dtype))
+
+
+def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,
+           attention_mask: torch.Tensor | None, *, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention of ``query`` (``[B, H_q, T_q, D]``) over ``read`` followed by the new ``key`` / ``value``
+    (``[B, H_kv, T_q, D]``): ``[B, H_q, T_q, D]`` in the query's dtype."""
+    return attend_with_probs(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)[0]
+
+
+def attend_with_probs(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, *, scaling: float,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend`, plus the attention probabilities ``[B, H_kv, rep * T_q, N]`` (float32; rows are
+    (query head within the KV head's group, query token), columns the stored tokens then the new ones), which
+    the run-time monitor reads its entropy from."""
+    ops = kernels()
+    if ops is None:
+        raise RuntimeError("the fused decode attention is not built: python -m kvguard.fused_attention --build")
+    b, hq, tq, d = query.shape
+    hkv = key.shape[1]
+    rep, n = hq // hkv, read.length + tq
+    # Query head i reads KV head i // rep: [B, H_q, T_q, D] -> [B, H_kv, rep * T_q, D], rows (head, token).
+    q = (query.to(torch.float32) * scaling).reshape(b, hkv, rep * tq, d).contiguous()
+    scores = torch.empty(b, hkv, rep * tq, n, dtype=torch.float32, device=query.device)
+    for seg in read.segments:
+        _score_segment(ops, scores, q, seg)
+    scores[..., read.length:] = q @ key.to(torch.float32).transpose(-1, -2)
+    overlay = read.overlay_columns
+    if overlay is not None:
+        scores[..., overlay] = q @ read.overlay_keys.to(torch.float32).transpose(-1, -2)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    _mask_(scores, attention_mask, rep, read.length)
+    probs = torch.softmax(scores, dim=-1)  # [B, H_kv, R, N]
+    out = probs[..., read.length:] @ value.to(torch.float32)  # [B, H_kv, R, D]
+    stored = probs
+    if overlay is not None:
+        out += probs[..., overlay] @ read.overlay_values.to(torch.float32)
+        stored = probs.clone()
+        stored[..., overlay] = 0.0  # the overlay wins over the codes at these positions
+    for seg in read.segments:
+        _read_segment(ops, stored, out, seg)
+    return out.view(b, hkv, rep, tq, d).reshape(b, hq, tq, d).to(query.dtype), probs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvguard.fused_attention",
+                                     description="build kvguard's fused decode attention kernels")
+    parser.add_argument("--build", action="store_true", help=f"compile {SOURCE.name} into the build folder")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 2
+    build(verbose=args.verbose)
+    print(f"kvguard: fused decode attention built in {build_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

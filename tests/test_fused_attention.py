@@ -1,0 +1,189 @@
+"""The fused decode attention against the slow reference: today's read (materialize, then plain attention)."""
+
+import copy
+
+import pytest
+import torch
+
+from kvguard import attention, fused_attention
+from kvguard.cache import KVGuardCache
+from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
+from kvguard.config import CacheConfig
+from kvguard.control.decoding import CacheDecoder, generate
+
+pytestmark = pytest.mark.skipif(not fused_attention.available(), reason="fused kernels not built: make install")
+
+B, H_KV, REP, D = 2, 3, 2, 16
+CONFIG = CacheConfig(residual=6, sinks=2, group_size=8, fp_dtype="float16")
+
+
+def _fill(layer: KVGuardLayer, tokens: int, gen: torch.Generator, chunk: int = 7) -> None:
+    """Feed ``tokens`` random tokens through today's read (no fused context is active here)."""
+    done = 0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        k = torch.randn(B, H_KV, n, D, generator=gen) * 2 + torch.linspace(-1, 1, D)  # per-channel offsets
+        layer.update(k, torch.randn(B, H_KV, n, D, generator=gen))
+        done += n
+
+
+def _reference(layer: KVGuardLayer, q, k, v, mask, scaling):
+    """Attention over ``materialize()`` + the new tokens, by the textbook formula."""
+    past_k, past_v = layer.materialize(torch.float32)
+    keys, values = torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)
+    keys, values = attention.expand_kv(keys, REP), attention.expand_kv(values, REP)
+    scores = q @ keys.transpose(-1, -2) * scaling  # [B, H_q, T_q, N]
+    if mask is None:  # causal among the new tokens
+        tq, n = q.shape[-2], keys.shape[-2]
+        mask = torch.ones(tq, n, dtype=torch.bool).tril(n - tq)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1) @ values
+
+
+def _check(layer: KVGuardLayer, gen: torch.Generator, tq: int = 1, mask=None):
+    q = torch.randn(B, H_KV * REP, tq, D, generator=gen)
+    k, v = torch.randn(B, H_KV, tq, D, generator=gen), torch.randn(B, H_KV, tq, D, generator=gen)
+    expected = _reference(layer, q, k, v, mask, D ** -0.5)
+    read = layer.stored_read()
+    got = fused_attention.attend(q, read, k, v, mask, scaling=D ** -0.5)
+    assert read.length == layer.stored_tokens
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    return got
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "int3", "int2", "fp16", ("int4", "fp16", "int2"),
+                                       ("int8", "int3", "int8")])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_matches_reference_per_precision(precision, rotate):
+    gen = torch.Generator().manual_seed(1)
+    layer = KVGuardLayer(precision, CONFIG)
+    layer.set_rotation(rotate, rotate)
+    _fill(layer, 61, gen)
+    assert layer.stored_tokens == 61 and layer._runs
+    _check(layer, gen)
+
+
+def test_static_int8_scales_and_clips():
+    gen = torch.Generator().manual_seed(2)
+    layer = KVGuardLayer("int8", CONFIG)
+    layer.set_static_scales(torch.rand(H_KV, D, generator=gen) * 3 + 1, torch.rand(H_KV, D, generator=gen) * 3 + 1)
+    _fill(layer, 40, gen)
+    layer.set_precision(("int4", "int8", "int2"))
+    layer.set_clip(0.9, 0.8)
+    _fill(layer, 33, gen)
+    assert len(layer._runs) == 2
+    _check(layer, gen)
+
+
+def test_several_runs_overlay_and_query_tokens():
+    gen = torch.Generator().manual_seed(3)
+    layer = KVGuardLayer("int4", CONFIG)
+    layer.set_rotation(True, False)
+    _fill(layer, 30, gen)
+    layer.set_precision(("int2", "fp16", "int3"))
+    _fill(layer, 40, gen)
+    positions = torch.tensor([3, 11, 40, 41])  # quantized positions of both runs
+    assert bool(torch.isin(positions, layer.quantized_positions()).all())
+    layer.write_fp(positions, torch.randn(B, H_KV, 4, D, generator=gen), torch.randn(B, H_KV, 4, D, generator=gen))
+    assert layer.stored_read().overlay_columns.tolist() == positions.tolist()
+    _check(layer, gen)
+    _check(layer, gen, tq=3)  # causal among the new tokens, no mask given
+    n = layer.stored_tokens + 3
+    mask = torch.ones(B, 1, 3, n, dtype=torch.bool).tril(n - 3)
+    mask[0, :, :, :5] = False  # left padding of the first sequence
+    _check(layer, gen, tq=3, mask=mask)
+    _check(layer, gen, tq=3, mask=torch.where(mask, 0.0, torch.finfo(torch.float32).min))  # additive form
+
+
+def test_sliding_layer_after_dropping_groups():
+    gen = torch.Generator().manual_seed(4)
+    layer = KVGuardSlidingLayer("int4", CONFIG, sliding_window=30)
+    _fill(layer, 90, gen)
+    assert layer.offset > 0 and layer._runs
+    n = layer.stored_tokens + 1
+    visible = torch.arange(layer.offset, layer.offset + n) > layer.length - 30  # what the window still sees
+    _check(layer, gen, mask=visible.view(1, 1, 1, n).expand(B, 1, 1, n))
+
+
+def test_result_does_not_depend_on_thread_count():
+    gen = torch.Generator().manual_seed(5)
+    layer = KVGuardLayer("int4", CONFIG)
+    _fill(layer, 700, gen, chunk=100)  # several token blocks of the kernels
+    threads = torch.get_num_threads()
+    q, k, v = torch.randn(B, H_KV * REP, 1, D), torch.randn(B, H_KV, 1, D), torch.randn(B, H_KV, 1, D)
+    outs = []
+    for n in (1, max(threads, 2)):
+        torch.set_num_threads(n)
+        outs.append(fused_attention.attend(q, layer.stored_read(), k, v, None, scaling=0.25))
+    torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def _decode_logits(model, cache, fused: bool, steps: int, gen):
+    decoder = CacheDecoder(model, cache, fused=fused)
+    logits = [decoder.prefill(torch.randint(0, 128, (40,), generator=gen))]
+    for _ in range(steps):
+        logits.append(decoder.step(int(logits[-1].argmax())))
+    return torch.stack(logits)
+
+
+def test_tiny_model_decodes_the_same_with_the_fused_read(monkeypatch):
+    from tests.helpers import tiny_llama
+
+    calls = []
+    real = fused_attention.attend
+    monkeypatch.setattr(fused_attention, "attend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = tiny_llama()
+    config = CacheConfig(residual=4, sinks=2, group_size=4)
+    precision = [("int4", "int2"), ("fp16", "int3")]
+    fused_cache, slow_cache = KVGuardCache(model.config, precision, config), KVGuardCache(model.config, precision, config)
+    fused = _decode_logits(model, fused_cache, True, 12, torch.Generator().manual_seed(0))
+    assert len(calls) == 24  # 12 steps x 2 layers
+    slow = _decode_logits(model, slow_cache, False, 12, torch.Generator().manual_seed(0))
+    assert len(calls) == 24
+    torch.testing.assert_close(fused, slow, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_batch_through_the_model():
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama()
+    attention.install(model)
+    config = CacheConfig(residual=4, sinks=2, group_size=4)
+    ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :6] = 0  # left padding
+    outs = []
+    for fused in (False, True):
+        cache = KVGuardCache(model.config, "int4", config)
+        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        step_ids, step_mask = ids[:, -2:], torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], 1)
+        with attention.fused_reads(model) if fused else torch.no_grad():
+            out = model(input_ids=step_ids, attention_mask=step_mask, cache=cache, use_cache=True).logits
+        assert bool(cache.layers[0]._runs)
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_unconsumed_read_is_refused():
+    layer = KVGuardLayer("int4", CONFIG)
+    _fill(layer, 20, torch.Generator().manual_seed(6))
+    try:
+        attention.defer_read(torch.zeros(1), layer.stored_read())
+        with pytest.raises(RuntimeError, match="no attention call took it"):
+            attention.defer_read(torch.zeros(1), layer.stored_read())
+    finally:
+        attention._PENDING.set(None)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_unchanged(smollm2):
+    model, tok = smollm2
+    text = "The printing press spread across Europe within decades, and with it cheap books, pamphlets and news. "
+    ids = tok(text * 3 + "In the next century", return_tensors="pt").input_ids[0]
+    config = CacheConfig(residual=8, sinks=4, group_size=16)  # most of the prompt is stored as codes
+    caches = [KVGuardCache(model.config, "int4", config) for _ in range(2)]
+    tokens = [generate(CacheDecoder(model, cache, fused=fused), ids, 24).tokens
+              for cache, fused in zip(caches, (False, True))]
+    assert caches[1].layers[0].stored_tokens > 64 and sum(r.length for r in caches[1].layers[0]._runs) >= 48
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 24
