@@ -140,6 +140,25 @@ def test_fp16_greedy_decoding_equals_dynamic_cache(model):
         assert float(logits.abs().max()) <= softcap
 
 
+@torch.no_grad()
+def test_fp16_chunked_prefill_and_left_padded_batches_equal_dynamic_cache(model):
+    """Chunks of 12 queries over a 16-token window (each chunk's first query reaches back past what the sliding
+    layers' mask offset starts at), and a batch with one row left-padded by 10 tokens."""
+    ids = _ids(64, seed=8).view(1, -1)
+    expected, cache = DynamicCache(config=model.config), KVGuardCache(model.config, "fp16", EXACT)
+    for i in range(0, 64, 12):
+        want = model(input_ids=ids[:, i:i + 12], cache=expected, use_cache=True).logits
+        got = model(input_ids=ids[:, i:i + 12], cache=cache, use_cache=True).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    batch = _ids(80, seed=9).view(2, 40)
+    mask = torch.ones_like(batch)
+    batch[0, :10], mask[0, :10] = COMMON["pad_token_id"], 0
+    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    want = model.generate(batch, past_key_values=DynamicCache(config=model.config), **settings)
+    got = model.generate(batch, past_key_values=KVGuardCache(model.config, "fp16", EXACT), **settings)
+    assert torch.equal(got, want) and got.shape == (2, 48)
+
+
 def test_int8_agrees_with_fp16(model):
     """Teacher-forced over 57 positions, 8-token prefill: most reads see INT8 keys and values. INT8's error is
     ~0.4 % of a group's range; a random model's top-2 logits can lie closer than that, so the floor is 0.9, not

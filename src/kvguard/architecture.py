@@ -8,8 +8,8 @@ are read as transformers' own ``DynamicCache`` reads them:
 - no ``layer_types`` (Mistral, Phi-3, Llama): every layer slides when the config sets ``sliding_window``, for
   their models build one sliding-window mask for all layers; otherwise every layer is full.
 
-A layer of any other type (Qwen3-Next's ``linear_attention``, shared-KV layers) is refused by name when the
-architecture is read, since no cache here can store it.
+A layer of any other type (Qwen3-Next's ``linear_attention``, which holds a recurrent state, not keys and
+values) is refused, naming the model type and the layer, when the architecture is read.
 """
 
 from __future__ import annotations
