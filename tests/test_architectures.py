@@ -95,7 +95,8 @@ def _greedy(model, prompt: torch.Tensor, cache, new_tokens: int) -> tuple[list[i
 
 @torch.no_grad()
 def _teacher_forced(model, ids: torch.Tensor, cache, prefill: int) -> torch.Tensor:
-    """Logits ``[T - prefill, vocab]`` of positions ``prefill - 1 ..`` with the rest fed one token at a time."""
+    """Logits ``[T - prefill + 1, vocab]`` of positions ``prefill - 1 .. T - 1``: ``prefill`` tokens in one pass,
+    then the rest one at a time."""
     out = [model(input_ids=ids[:prefill].view(1, -1), cache=cache, use_cache=True).logits[0, -1]]
     for t in range(prefill, ids.numel()):
         out.append(model(input_ids=ids[t:t + 1].view(1, -1), cache=cache, use_cache=True).logits[0, -1])
