@@ -1,7 +1,15 @@
 """What the KV cache needs to know about a model: layers, heads, head size, which layers slide.
 
 Read from a transformers config (or a multimodal config's ``text_config``), so the cache, the simulation, the
-monitor and calibration never look at modeling code.
+monitor and calibration never look at modeling code. Decoders name their layers in one of two ways, and both
+are read as transformers' own ``DynamicCache`` reads them:
+
+- ``layer_types`` (Gemma 2 / 3, Qwen2 / 3): per layer, ``full_attention`` or ``sliding_attention``;
+- no ``layer_types`` (Mistral, Phi-3, Llama): every layer slides when the config sets ``sliding_window``, for
+  their models build one sliding-window mask for all layers; otherwise every layer is full.
+
+A layer of any other type (Qwen3-Next's ``linear_attention``, which holds a recurrent state, not keys and
+values) is refused, naming the model type and the layer, when the architecture is read.
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ class Architecture:
         num_layers = config.num_hidden_layers
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        layer_types = getattr(config, "layer_types", None) or [FULL_ATTENTION] * num_layers
-        sliding = getattr(config, "sliding_window", None) if any(t in SLIDING_TYPES for t in layer_types) else None
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or [SLIDING_TYPES[0] if window else FULL_ATTENTION] * num_layers
+        sliding = window if any(t in SLIDING_TYPES for t in layer_types) else None
         return cls(
             model_type=config.model_type,
             num_layers=num_layers,
@@ -55,20 +64,23 @@ class Architecture:
             sliding_window=sliding,
         )
 
+    def __post_init__(self) -> None:
+        supported = (FULL_ATTENTION, *SLIDING_TYPES)
+        for i, layer_type in enumerate(self.layer_types):
+            if layer_type not in supported:
+                raise ValueError(f"{self.model_type}: layer {i} has type {layer_type!r}, which kvguard's caches cannot "
+                                 f"store; supported layer types: [{', '.join(repr(t) for t in supported)}]")
+        if self.sliding_window is None and any(t in SLIDING_TYPES for t in self.layer_types):
+            raise ValueError(f"{self.model_type}: the config has sliding-window layers but no sliding_window")
+
     @property
     def group_size(self) -> int:
         """Query heads per KV head."""
         return self.num_query_heads // self.num_kv_heads
 
     def is_sliding(self, layer: int) -> bool:
-        """Whether ``layer`` attends over a sliding window; ``ValueError`` for a layer type no cache here stores."""
-        layer_type = self.layer_types[layer]
-        if layer_type in SLIDING_TYPES:
-            return True
-        if layer_type == FULL_ATTENTION:
-            return False
-        raise ValueError(f"layer {layer} has type {layer_type!r}; kvguard supports "
-                         f"[{', '.join(repr(t) for t in (FULL_ATTENTION, *SLIDING_TYPES))}]")
+        """Whether ``layer`` attends over a sliding window."""
+        return self.layer_types[layer] in SLIDING_TYPES
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:

@@ -25,7 +25,9 @@ Three parts of kvguard need to be inside the attention of a transformers model: 
 
 A hook is called as ``hook(module, query, key, value, attention_mask, scaling=..., softcap=...)`` with
 ``query`` ``[B, H_q, T_q, D]``, ``key``/``value`` ``[B, H_kv, T_k, D]`` (after RoPE, as the cache returned them),
-and returns the attention output ``[B, H_q, T_q, D]``.
+and returns the attention output ``[B, H_q, T_q, D]``. ``softcap`` is the model's attention logit soft-capping
+(Gemma 2: ``scores = tanh(scores / softcap) * softcap`` before the mask), ``None`` for most models; every hook
+applies it with :func:`softcapped`, and :func:`attend` is the plain attention a hook falls back to.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -78,6 +81,34 @@ def expand_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
     """Grouped-query attention: ``[B, H_kv, T, D] -> [B, H_kv * rep, T, D]`` (query head ``i`` reads KV head
     ``i // rep``)."""
     return x.repeat_interleave(rep, dim=1) if rep > 1 else x
+
+
+def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Attention logit soft-capping, ``tanh(scores / softcap) * softcap`` (``scores`` unchanged for ``None``);
+    applied to the scaled scores before the mask, as Gemma 2's eager attention does."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *,
+           scaling: float, softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+    """Plain grouped-query attention ``[B, H_q, T_q, D]`` of ``query`` over ``key``/``value`` ``[B, H_kv, T_k, D]``.
+
+    ``mask``: additive float, or boolean (``True`` where a query may attend), broadcast to ``[B, H_q, T_q, T_k]``;
+    ``is_causal`` (without a mask) as sdpa's. sdpa where the model does not soft-cap; otherwise sdpa cannot apply
+    the cap, and the softmax of the capped scores is computed explicitly (in float32, as Gemma 2's eager
+    attention does)."""
+    rep = query.shape[1] // key.shape[1]
+    k, v = expand_kv(key, rep), expand_kv(value, rep)  # [B, H_q, T_k, D]
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, is_causal=is_causal)
+    scores = softcapped((query @ k.transpose(-1, -2)) * scaling, softcap)  # [B, H_q, T_q, T_k]
+    if is_causal:
+        # sdpa's is_causal: query i sees keys 0..i (top-left aligned).
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return probs @ v
 
 
 def install(model) -> None:

@@ -123,8 +123,7 @@ class _SimulationHook:
         # The query's own key is used as computed (the cache returns new tokens unrounded).
         exact_self = (q32 * attention.expand_kv(key.to(torch.float32), rep)).sum(-1) * scaling  # [B, Hq, T]
         scores = torch.where(diagonal, exact_self.unsqueeze(-1), scores)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+        scores = attention.softcapped(scores, softcap)
         if attention_mask is not None:
             scores = scores + attention_mask.to(torch.float32)
         probs = torch.softmax(scores, dim=-1)

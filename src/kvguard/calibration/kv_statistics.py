@@ -1,8 +1,10 @@
 """K/V activation statistics and the attention-entropy baseline, recorded over calibration batches.
 
 One FP forward pass per batch through the model's decoder (no LM head) with an observing attention hook
-(:mod:`kvguard.attention`, so no modeling code is forked): it computes ordinary attention and records, per layer / KV head / channel, the ``max``, ``min``, ``mean``, ``std`` and ``absmax`` of the
-keys (after RoPE, as the cache stores them) and values, plus the entropy of every attention row.
+(:mod:`kvguard.attention`, so no modeling code is forked): it computes the model's attention (soft-capped where
+the model caps its logits, as Gemma 2) and records, per layer / KV head / channel, the ``max``, ``min``, ``mean``,
+``std`` and ``absmax`` of the keys (after RoPE, as the cache stores them) and values, plus the entropy of every
+attention row.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kvguard import attention
@@ -138,16 +139,14 @@ class _RecordingHook:
         self.recorder = recorder
 
     def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap):
-        if softcap is not None:
-            raise NotImplementedError("statistics collection does not support attention logit soft-capping yet")
         t = query.shape[2]
-        rep = query.shape[1] // key.shape[1]
-        k, v = attention.expand_kv(key, rep), attention.expand_kv(value, rep)  # [B, Hq, T, D]
         mask = None if attention_mask is None else attention_mask[..., : key.shape[2]]
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, is_causal=mask is None)
+        out = attention.attend(query, key, value, mask, scaling=scaling, softcap=softcap, is_causal=mask is None)
 
         rows = entropy_rows(t).to(query.device)
+        k = attention.expand_kv(key, query.shape[1] // key.shape[1])  # [B, Hq, T, D]
         scores = (query[:, :, rows].float() @ k.float().transpose(-1, -2)) * scaling  # [B, Hq, rows, T]
+        scores = attention.softcapped(scores, softcap)
         if mask is not None:
             row_mask = mask[:, :, rows].float()
             n_keys = (row_mask[0, 0] > torch.finfo(torch.float32).min / 2).sum(-1)  # [rows]; same for every batch row

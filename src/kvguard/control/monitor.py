@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from kvguard import attention, fused_attention
 from kvguard.config import MonitorConfig
@@ -155,16 +154,13 @@ class _LiveHook:
                 self._observe(layer, probs.view(b, hkv, rep, -1))
             return out
         if t != 1 or not bool(self.monitor.monitored[layer]):
-            if softcap is not None:
-                raise NotImplementedError("kvguard's live attention does not support attention logit soft-capping")
             mask = None if attention_mask is None else attention_mask[..., : key.shape[2]]
-            return F.scaled_dot_product_attention(query, attention.expand_kv(key, rep), attention.expand_kv(value, rep),
-                                                  attn_mask=mask, scale=scaling, is_causal=mask is None and t > 1)
+            return attention.attend(query, key, value, mask, scaling=scaling, softcap=softcap,
+                                    is_causal=mask is None and t > 1)
         n = key.shape[2]
         cache_layer = self.cache.layers[layer]
         scores = (query.view(b, hkv, rep, d).float() * scaling) @ key.float().transpose(-1, -2)  # [B, Hkv, rep, T]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+        scores = attention.softcapped(scores, softcap)
         if attention_mask is not None and (b > 1 or cache_layer.is_sliding):  # one unpadded full layer: all zeros
             scores = scores + attention_mask[..., :n].float().view(attention_mask.shape[0], 1, 1, n)
         probs = torch.softmax(scores, dim=-1)

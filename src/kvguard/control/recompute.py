@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvguard import attention
@@ -50,10 +49,7 @@ class _RecomputeHook:
         self.spec = spec
 
     def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap):
-        if softcap is not None:
-            raise NotImplementedError("kvguard's live attention does not support attention logit soft-capping")
         spec, layer = self.spec, module.layer_idx
-        rep = query.shape[1] // key.shape[1]
         p = query.shape[2]
         stored = key.shape[2] - p
         first = spec.offsets[layer]
@@ -63,8 +59,7 @@ class _RecomputeHook:
         if layer in spec.sliding and spec.sliding_window is not None:
             allowed &= absolute[None, :] > pos[:, None] - spec.sliding_window
         mask = torch.cat([allowed, torch.eye(p, dtype=torch.bool, device=query.device)], dim=1)
-        return F.scaled_dot_product_attention(query, attention.expand_kv(key, rep), attention.expand_kv(value, rep),
-                                              attn_mask=mask, scale=scaling)
+        return attention.attend(query, key, value, mask, scaling=scaling, softcap=softcap)
 
 
 @contextlib.contextmanager
