@@ -15,8 +15,8 @@ the session (:mod:`kvguard.control.session`) reads the window means and the poli
 On a GPU the per-token evidence stays on the model's device: a token costs no device-to-host copy and no wait
 for the GPU here. The host reads the device once per monitoring step (:meth:`TokenMonitor.window`,
 :meth:`TokenMonitor.features`: the policy is plain Python over a few dozen numbers). What crosses per token is
-host-to-device only: the baseline entropy for the token's key counts (computed on the host from integers the
-host already knows) and the monitored-layer mask stays a host tensor the hook reads without touching the device.
+host-to-device only (the baseline entropy for the token's key counts, computed on the host from integers it
+already knows); the monitored-layer mask stays on the host, where the hook reads it without touching the device.
 """
 
 from __future__ import annotations

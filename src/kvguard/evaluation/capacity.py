@@ -216,6 +216,8 @@ def run(model_name: str, method_names: list[str], *, budget_gib: float = DEFAULT
                 row["check_error"] = measured["error"]
             base = base or row
             row["peak_rss_ratio"] = row["measured_peak_mb"] / base["measured_peak_mb"]
+        if progress:  # each method's figures as they come: a long run interrupted still shows what it measured
+            print(f"[kvguard eval] capacity: {json.dumps(row)}", file=sys.stderr, flush=True)
         rows.append(row)
     return rows
 
