@@ -233,6 +233,10 @@ def capacity_row(fp: Footprint, budget: float, contexts: tuple[int, ...], batch:
         "batch": batch,
         "context": context,
         "predicted_peak_mb": fp.peak(batch, context) / MIB,
+        # The fitted lines themselves (bytes per sequence; per token for the slopes), to predict other points.
+        "kv_line": [fp.kv.intercept, fp.kv.slope],
+        "act_line": [fp.act.intercept, fp.act.slope],
+        "load_peak_mb": fp.load_peak / MIB,
     }
 
 
