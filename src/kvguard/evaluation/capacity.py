@@ -16,7 +16,8 @@ The prediction is arithmetic over measured quantities (:class:`Footprint`)::
 
 Both are measured by :func:`probe` at a small batch and context (:data:`FIT_BATCH` x :data:`FIT_CONTEXT`), and
 the prediction is checked by a second :func:`probe` at the reported point (batch 8 x 4,096: there the KV cache
-dominates), whose peak RSS is the table's measured column. Prefill is chunked (:data:`CHUNK` tokens, only the
+dominates), whose peak RSS is the table's measured column (``kvguard eval --no-check`` skips it: at the defaults
+it prefills 32k tokens per method, minutes each on a few CPU cores). Prefill is chunked (:data:`CHUNK` tokens, only the
 last position's logits computed) so activations stay small, as a serving engine does.
 
     python -m kvguard.evaluation.capacity --model smollm2-135m --method int4 --batch 2 --context 1024   # one JSON line
