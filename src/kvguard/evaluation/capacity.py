@@ -175,7 +175,7 @@ def probe(model_name: str, method_name: str, batch: int, context: int, *, chunk:
             "peak_rss": max(load_peak, max(p[2] for p in points))}
 
 
-def _probe_process(model_name: str, method_name: str, batch: int, context: int, chunk: int,
+def probe_subprocess(model_name: str, method_name: str, batch: int, context: int, chunk: int,
                    profile_path: str | None, device: str) -> dict:
     """:func:`probe` in a fresh Python process (so its peak RSS is its own); ``{"error": ...}`` if it failed."""
     cmd = [sys.executable, "-m", "kvguard.evaluation.capacity", "--model", model_name, "--method", method_name,
@@ -203,14 +203,14 @@ def run(model_name: str, method_names: list[str], *, budget_gib: float = DEFAULT
         if progress:
             print(f"[kvguard eval] capacity: {name}: fit at {FIT_BATCH} x {FIT_CONTEXT}"
                   + (f", then {batch} x {context}" if check else ""), file=sys.stderr, flush=True)
-        fit_row = _probe_process(model_name, name, FIT_BATCH, FIT_CONTEXT, chunk, profile_path, device)
+        fit_row = probe_subprocess(model_name, name, FIT_BATCH, FIT_CONTEXT, chunk, profile_path, device)
         if "error" in fit_row:
             rows.append({"method": name, "error": fit_row["error"]})
             continue
         row = capacity_row(Footprint.from_probe(fit_row), budget, contexts, batch, context)
         row["kv_bytes_ratio"] = fit_row["kv_bytes_ratio"]
         if check:
-            measured = _probe_process(model_name, name, batch, context, chunk, profile_path, device)
+            measured = probe_subprocess(model_name, name, batch, context, chunk, profile_path, device)
             row["measured_peak_mb"] = measured.get("peak_rss", float("nan")) / MIB
             row["kv_bytes_ratio"] = measured.get("kv_bytes_ratio", row["kv_bytes_ratio"])
             if "error" in measured:
