@@ -193,15 +193,20 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     )
 
 
-def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """Load ``(model, tokenizer)`` offline, in eval mode.
+def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
+         device: str | torch.device = "cpu"):
+    """Load ``(model, tokenizer)`` offline, in eval mode, on ``device`` (``cpu``, ``cuda``, ``auto``: see
+    :mod:`kvguard.device`; checked before the weights load, so ``cuda`` without a GPU fails at once).
 
     ``name_or_path`` is an embedded model name (see ``EMBEDDED``) or a local Hugging Face model folder.
     """
     from transformers import AutoModelForCausalLM
 
+    from kvguard.device import resolve as resolve_device
+
+    target = resolve_device(device)
     tokenizer = load_tokenizer(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype).to(target)
     model.eval()
     return model, tokenizer
 

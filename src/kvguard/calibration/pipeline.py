@@ -74,7 +74,7 @@ class _Run:
         self.seconds: dict[str, float] = {}
         self.resumed: list[str] = []
         t0 = time.perf_counter()
-        self.model, self.tok = models.load(cfg.model)
+        self.model, self.tok = models.load(cfg.model, device=cfg.device)
         self.arch = Architecture.from_config(self.model.config)
         self.fingerprint = models.fingerprint(self.model)
         self.seconds["load"] = time.perf_counter() - t0
@@ -183,6 +183,12 @@ def calibrate(cfg: CalibrationConfig, *, resume: bool = False, progress: bool = 
     ``ray``: run the statistics, sensitivity and search stages on Ray workers
     (:mod:`kvguard.calibration.distributed`) instead of in this process; the profile is the same bit for bit.
     ``log``: where the progress lines go (default: stderr); the progress bars stay on stderr."""
+    from kvguard.device import name
+
+    if ray is not None and name(cfg.device) != "cpu":
+        raise ValueError(f"calibration on Ray runs its workers on the CPU (each loads the model there, and the profile "
+                         f"is the same bit for bit as a CPU run); device {cfg.device!r} resolves to "
+                         f"{name(cfg.device)!r}: use device cpu with Ray, or drop Ray to calibrate on the GPU")
     if ray is not None:
         require_ray()  # fail before minutes of loading, not after
     check_out(cfg.out)
@@ -245,21 +251,22 @@ def _meta(run: _Run, chosen: Candidate, log: list[Candidate], latency: LatencyMo
                         "resumed_stages": run.resumed}})
 
 
-def refit_monitor(out: str | os.PathLike, *, progress: bool = True) -> Profile:
+def refit_monitor(out: str | os.PathLike, *, progress: bool = True, device: str = "cpu") -> Profile:
     """Calibrate only the run-time monitor (stage ``monitor``) of the existing profile at ``out``, on the same
-    held-out slice, and rewrite the profile atomically; the plan, statistics and search are kept."""
+    held-out slice, with the model on ``device``, and rewrite the profile atomically; the plan, statistics and
+    search are kept."""
     with locked(Path(out)):
-        return _refit_monitor(Path(out), progress)
+        return _refit_monitor(Path(out), progress, device)
 
 
-def _refit_monitor(out: Path, progress: bool) -> Profile:
+def _refit_monitor(out: Path, progress: bool, device: str = "cpu") -> Profile:
     from dataclasses import replace
 
     from kvguard import models
     from kvguard.control.risk import RiskClassifier
 
     profile = Profile.load(out)
-    model, tok = models.load(profile.model_name)
+    model, tok = models.load(profile.model_name, device=device)
     profile.check_model(model)
     meta = profile.meta
     torch.manual_seed(meta.settings.seed)

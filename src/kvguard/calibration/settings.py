@@ -33,6 +33,7 @@ class CalibrationConfig:
         low_bit: also search below INT4: INT3, per-layer key / value rotation, the low-bit layout, and plans
             down to about half of the all-INT4 bytes (about twice the sensitivity stage's trials).
         objective: the score's weights and the constraints.
+        device: where the model runs (``cpu``, ``cuda``, ``auto``; :mod:`kvguard.device`).
     """
 
     model: str
@@ -48,8 +49,12 @@ class CalibrationConfig:
     seed: int = 0
     low_bit: bool = True
     objective: Objective = field(default_factory=Objective)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        from kvguard.device import Device
+
+        Device(self.device)  # a ValueError listing the valid names
         object.__setattr__(self, "out", Path(self.out))
         object.__setattr__(self, "domains", tuple(self.domains))
         bad = [d for d in self.domains if d not in data.CORPORA]
@@ -66,8 +71,14 @@ class CalibrationConfig:
 
     def key(self) -> str:
         """A digest of everything that decides the result (``--resume`` refuses a different one)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "out"}
+        from kvguard.device import name
+
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("out", "device")}
         d["objective"] = self.objective.to_dict()
+        # A GPU's float kernels round differently, so a CUDA run is a different result; a CPU one keeps the digest
+        # it had before there was a device setting (cached `kvguard run` profiles stay valid).
+        if name(self.device) != "cpu":
+            d["device"] = name(self.device)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
     def settings(self) -> Settings:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvguard.cli.common import CommandError, add_model, csv, default, finite, writable_dir
+from kvguard.cli.common import CommandError, add_device, add_model, csv, default, device, finite, writable_dir
 from kvguard.config import Objective
 
 
@@ -13,6 +13,7 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("calibrate", help="model-specific calibration: statistics, sensitivity, mixed-precision plan, profile")
     add_model(p)
+    add_device(p)
     p.add_argument("--out", required=True, help="profile directory to write")
     p.add_argument("--samples", type=int, default=default(C, "samples"),
                    help="calibration samples, mixed over the domains (default: %(default)s)")
@@ -61,13 +62,14 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.calibration.pipeline import CalibrationConfig, calibrate, refit_monitor
 
     writable_dir("--out", args.out)
+    target = device(args)
     if args.monitor_only:
-        refit_monitor(args.out)
+        refit_monitor(args.out, device=target)
         return 0
     objective = _objective(args)
     cfg = CalibrationConfig(args.model, args.out, args.samples, tuple(csv(args.domains)), args.max_tokens,
                             args.batch_size, args.heldout_tokens, args.context, args.head_layers,
-                            seed=args.seed, low_bit=args.low_bit, objective=objective)
+                            seed=args.seed, low_bit=args.low_bit, objective=objective, device=target)
     if args.ray is None and (args.ray_workers is not None or args.ray_threads != 1):
         raise CommandError("--ray-workers and --ray-threads need --ray")
     ray = None if args.ray is None else RayConfig(args.ray, args.ray_workers, args.ray_threads)

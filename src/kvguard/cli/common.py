@@ -31,6 +31,22 @@ def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or local model folder (default: %(default)s)")
 
 
+def add_device(p: argparse.ArgumentParser) -> None:
+    from kvguard.device import Device
+
+    p.add_argument("--device", default=Device.AUTO.value, choices=[d.value for d in Device],
+                   help="where the model runs: cpu, cuda, or auto (cuda when torch sees a GPU, else cpu) "
+                        "(default: %(default)s)")
+
+
+def device(args: argparse.Namespace) -> str:
+    """``--device`` resolved (``auto`` -> ``cuda`` or ``cpu``), before any work: ``cuda`` without a GPU fails
+    here, in a second, with the fix in the message."""
+    from kvguard.device import name
+
+    return name(args.device)
+
+
 def csv(text: str, kind=str) -> list:
     """``"a,b,,c"`` -> ``[kind("a"), kind("b"), kind("c")]``."""
     try:

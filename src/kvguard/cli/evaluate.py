@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvguard.cli.common import CommandError, add_model, csv, positive, writable_file
+from kvguard.cli.common import CommandError, add_device, add_model, csv, device, finite, positive, writable_file
 
 # The first 4 and the last 64 tokens stay in full precision and tokens are quantized in groups of 32: below
 # about 100 tokens nothing is quantized and every method scores exactly like fp16; 128 leaves at least one group.
@@ -17,13 +17,16 @@ DEFAULT_METHODS = "fp16,int8,int4,int2,kivi-4,kivi-2,hf-quanto-4,hf-quanto-2,hf-
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="quality, memory and speed through the cache, side by side with peers")
     add_model(p)
+    add_device(p)
     p.add_argument("--profile", help="calibration profile (for the kvguard / kvguard-live / fp8 methods)")
     from kvguard.evaluation import llamacpp, recall
 
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated methods (default: %(default)s); llama.cpp's own KV types, run in llama.cpp on "
                         f"an embedded model's GGUF, deltas against {llamacpp.REFERENCE}: {', '.join(llamacpp.SPECS)}")
-    p.add_argument("--task", default="ppl", choices=["ppl", "passkey", "recall", "speed"], help="what to measure (default: %(default)s)")
+    p.add_argument("--task", default="ppl", choices=["ppl", "passkey", "recall", "speed", "capacity"],
+                   help="what to measure; capacity: the largest batch x context each method fits in --memory-budget "
+                        "(default: %(default)s)")
     p.add_argument("--corpus", default="prose", help="comma-separated eval corpora: prose, code, dialog, long (default: %(default)s)")
     p.add_argument("--text-file", help="evaluate this UTF-8 text file instead of a corpus")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per text (default: %(default)s)")
@@ -42,8 +45,18 @@ def add_parser(sub) -> None:
     p.add_argument("--words", type=int, default=recall.DEFAULT_WORDS,
                    help="recall: words in the list, one token each; the first of the repeat is not scored "
                         "(default: %(default)s)")
-    p.add_argument("--contexts", default="1024,4096", help="speed: context lengths (default: %(default)s)")
+    p.add_argument("--contexts", default="1024,4096",
+                   help="speed: context lengths; capacity: the contexts the largest batch is given at "
+                        "(default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64, help="speed: decode steps timed (default: %(default)s)")
+    p.add_argument("--memory-budget", type=float, default=4.0,
+                   help="capacity: process memory budget in GiB (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=8, help="capacity: batch of the peak-RSS run (default: %(default)s)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="capacity: context of the peak-RSS run (default: %(default)s)")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="capacity: skip the real --batch x --context prefill per method that checks the prediction "
+                        "(32k tokens at the defaults: minutes per method)")
     p.set_defaults(func=run)
 
 
@@ -52,16 +65,19 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.evaluation import methods
 
     names = _check_args(args)
+    args.device = device(args)
     profile = load_profile(args.profile) if args.profile else None
     for name in names:
         methods.get(name, profile)  # unknown names and missing profiles fail before any model is loaded
     if args.task == "speed":
         return _speed(args, names)
+    if args.task == "capacity":
+        return _capacity(args, names)
     from kvguard import models
 
     # The text first (seconds, with the tokenizer alone): a file or corpus too short fails before the weights load.
     streams = _streams(args, models.load_tokenizer(args.model)) if args.task == "ppl" else None
-    model, tok = models.load(args.model)
+    model, tok = models.load(args.model, device=args.device)
     if profile is not None:
         profile.check_model(model)
     if args.task == "passkey":
@@ -83,10 +99,10 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     if args.profile and "kvguard" not in names:
         names.append("kvguard")
     in_llamacpp = [n for n in names if methods.reference_of(n) == llamacpp.REFERENCE]
-    if in_llamacpp and args.task != "ppl":
-        raise CommandError(f"--methods {in_llamacpp[0]}: the llama.cpp methods run in --task ppl only (llama.cpp keeps "
-                           f"its own cache; kvguard's passkey, recall and speed tasks decode through a transformers cache)")
-    for flag in ("tokens", "windows", "chunk", "trials", "new_tokens"):
+    if in_llamacpp and args.task not in ("ppl", "speed"):
+        raise CommandError(f"--methods {in_llamacpp[0]}: the llama.cpp methods run in --task ppl and speed only "
+                           f"(llama.cpp keeps its own cache; kvguard's {args.task} task measures a transformers cache)")
+    for flag in ("tokens", "windows", "chunk", "trials", "new_tokens", "batch", "context"):
         positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.task == "recall":
         _check_recall(args)
@@ -110,10 +126,25 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 def _speed(args, names: list[str]) -> int:
     from kvguard.evaluation import harness, speed
 
-    rows = speed.run(args.model, names, csv(args.contexts, int), args.new_tokens, profile_path=args.profile)
+    rows = speed.run(args.model, names, csv(args.contexts, int), args.new_tokens, profile_path=args.profile,
+                     device=args.device)
     print(speed.markdown_table(rows))
     if args.json:
         harness.write_json(args.json, {"model": args.model, "task": "speed", "new_tokens": args.new_tokens, "results": rows})
+    return 0
+
+
+def _capacity(args, names: list[str]) -> int:
+    from kvguard.evaluation import capacity, harness
+
+    finite("--memory-budget", args.memory_budget, low=0.01)
+    rows = capacity.run(args.model, names, budget_gib=args.memory_budget, contexts=tuple(csv(args.contexts, int)),
+                        batch=args.batch, context=args.context, check=args.check, profile_path=args.profile,
+                        device=args.device)
+    print(capacity.markdown_table(rows, args.memory_budget))
+    if args.json:
+        harness.write_json(args.json, {"model": args.model, "task": "capacity", "memory_budget_gib": args.memory_budget,
+                                       "device": args.device, "results": rows})
     return 0
 
 

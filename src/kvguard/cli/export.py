@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from kvguard.cli.check_engine import add_check_arguments
-from kvguard.cli.common import CommandError, writable_dir
+from kvguard.cli.common import CommandError, add_device, device, writable_dir
 from kvguard.serving.export import KV_CACHE_DTYPES
 
 
@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
                    help="choose --kv-cache-dtype-skip-layers for this KV memory (fraction of FP16) on the profile's "
                         "held-out text (loads the model); default: skip the plan's FP16 layers")
     p.add_argument("--max-skip", type=int, help="with --memory-budget: skip at most this many layers")
+    add_device(p)  # with --memory-budget, the model runs
     p.add_argument("--check", action="store_true",
                    help="build the served model folder and, with --engine-python, load it in vLLM and compare scales")
     add_check_arguments(p)
@@ -45,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--out {args.out} and --profile {args.profile} overlap: the export would replace the "
                            f"profile it reads; choose another --out")
     writable_dir("--out", args.out)
+    target = device(args)
     profile = load_profile(args.profile)
-    choice = None if args.memory_budget is None else _choose_skip(profile, spec, args)
+    choice = None if args.memory_budget is None else _choose_skip(profile, spec, args, target)
     manifest = export.export(profile, spec, args.out, force=args.force, skip_choice=choice)
     model = manifest["model"]
     print(f"{spec.format.value} export of {model['name']} (fingerprint {model['fingerprint'][:19]}...) written to "
@@ -71,12 +73,12 @@ def _same_or_inside(path: str, folder: str) -> bool:
     return p == f or f in p.parents
 
 
-def _choose_skip(profile, spec, args) -> dict:
+def _choose_skip(profile, spec, args, target: str) -> dict:
     """Calibration's skip list for the engine dtype under ``--memory-budget`` (prints the candidates)."""
     from kvguard import models
     from kvguard.calibration.engine_skip import choose_for_profile
 
-    model, tokenizer = models.load(profile.model_name)
+    model, tokenizer = models.load(profile.model_name, device=target)
     choice = choose_for_profile(profile, model, tokenizer, spec.kv_cache_dtype, args.memory_budget,
                                 max_skip=args.max_skip)
     print(choice.table())

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvguard.cli.common import CommandError, add_model, fmt_bytes, writable_file
+from kvguard.cli.common import CommandError, add_device, add_model, device, fmt_bytes, writable_file
 from kvguard.control.sampling import Sampler
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="decode with live entropy monitoring and compensation")
     add_model(p)
+    add_device(p)
     p.add_argument("--profile", required=True, help="calibration profile of the model (from `kvguard calibrate`)")
     p.add_argument("--prompt", required=True, help="the prompt (sent as a user message when the model has a chat template)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
@@ -43,10 +44,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise CommandError("--prompt is empty")
     sampler = Sampler(args.temperature, args.top_p, args.seed)
+    target = device(args)
     writable_file("--events", args.events)
     profile = load_profile(args.profile)
     method = methods.get(methods.LIVE if args.plan == "profile" else f"{methods.LIVE}:{args.plan}", profile)
-    model, tok = models.load(args.model)
+    model, tok = models.load(args.model, device=target)
     profile.check_model(model)
     if args.events:
         open(args.events, "w").close()  # one run's events per file

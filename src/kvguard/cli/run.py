@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvguard.cli.common import add_model, csv, default, print_table
+from kvguard.cli.common import add_device, add_model, csv, default, device, print_table
 
 PEERS = "int8,int4,kivi-4,kivi-2,hf-quanto-4,hf-hqq-4"
 PROMPT = "Summarize this article in two sentences.\n\n"
@@ -39,6 +39,7 @@ class RunConfig:
         frontier_points: the most frontier plans shown in the table.
         max_new_tokens: tokens the live-loop reply may generate.
         recalibrate: calibrate again even when a cached profile exists.
+        device: where the model runs in every step (``cpu``, ``cuda``, ``auto``; :mod:`kvguard.device`).
     """
 
     model: str
@@ -53,6 +54,7 @@ class RunConfig:
     frontier_points: int = 4
     max_new_tokens: int = 64
     recalibrate: bool = False
+    device: str = "cpu"
 
 
 def add_parser(sub) -> None:
@@ -61,6 +63,7 @@ def add_parser(sub) -> None:
                                    "live loop, the report", description=__doc__.split("\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model(p)
+    add_device(p)
     p.add_argument("--cache", help="folder for profiles, events and the report (default: $KVGUARD_HOME/run)")
     p.add_argument("--samples", type=int, default=default(C, "samples"),
                    help="step 1: calibration samples; `kvguard calibrate` takes 5,000 (default: %(default)s)")
@@ -89,12 +92,12 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = RunConfig(args.model, Path(args.cache) if args.cache else None, args.samples, args.max_tokens,
                     args.heldout_tokens, args.head_layers, tuple(csv(args.domains)), args.tokens,
-                    tuple(csv(args.peers)), args.frontier_points, args.max_new_tokens, args.recalibrate)
+                    tuple(csv(args.peers)), args.frontier_points, args.max_new_tokens, args.recalibrate, device(args))
     cache = cfg.cache or models.kvguard_home() / "run"
     t0 = time.perf_counter()
     models.resolve(cfg.model)  # an unknown model fails here, before any work; the first use converts the GGUF
     profile, profile_dir = calibrate_step(cfg, cache)
-    model, tok = models.load(cfg.model)
+    model, tok = models.load(cfg.model, device=cfg.device)
     profile.check_model(model)
     frontier_step(cfg, profile, model, tok)
     events = cache / "events.jsonl"
@@ -113,7 +116,7 @@ def profile_dir(cfg: RunConfig, cache: Path):
     from kvguard.calibration.settings import CalibrationConfig
 
     calib = CalibrationConfig(cfg.model, cache / "profiles", cfg.samples, cfg.domains, cfg.max_tokens,
-                              heldout_tokens=cfg.heldout_tokens, head_layers=cfg.head_layers)
+                              heldout_tokens=cfg.heldout_tokens, head_layers=cfg.head_layers, device=cfg.device)
     out = cache / "profiles" / f"{Path(cfg.model).name}-{cfg.samples}-{calib.key()}"  # the key leaves out ``out``
     return replace(calib, out=out), out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvguard.cli.common import add_model, default
+from kvguard.cli.common import add_device, add_model, default, device
 
 
 def add_parser(sub) -> None:
@@ -14,6 +14,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: every request under the feedback loop, "
                                       "Prometheus metrics")
     add_model(p)
+    add_device(p)
     p.add_argument("--profile", required=True, help="calibration profile of the model (from `kvguard calibrate`)")
     p.add_argument("--host", default=default(S, "host"), help="address to listen on (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=default(S, "port"), help="port (default: %(default)s)")
@@ -40,5 +41,6 @@ def run(args: argparse.Namespace) -> int:
 
     writable_file("--log-file", args.log_file)
     serve(ServeConfig(args.model, args.profile, args.host, args.port, args.api_key, args.max_concurrency,
-                      args.max_queue, args.max_prompt_tokens, args.max_new_tokens, args.torch_threads, args.log_file))
+                      args.max_queue, args.max_prompt_tokens, args.max_new_tokens, args.torch_threads, args.log_file,
+                      device(args)))
     return 0

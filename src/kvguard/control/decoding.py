@@ -4,6 +4,11 @@
 over anything that can ``prefill(ids) -> logits`` and ``step(token) -> logits``: a
 :class:`~kvguard.control.session.LiveSession` (the feedback loop), or a :class:`CacheDecoder` (a bare cache:
 a static plan or a peer's).
+
+On a GPU a token costs one device-to-host read, and it is inherent: the drawn token id (``int(...)`` of the
+arg-max or the sample, drawn on the device), which the stop checks, ``on_token`` and the next step's input need
+on the host. Nothing else on the per-token path copies to the host: the logits stay on the device, and the
+feedback loop reads its evidence once per monitoring step (:mod:`kvguard.control.monitor`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ is built; otherwise over the materialized cache) and records
 :class:`TokenMonitor` keeps the last ``window_tokens`` tokens of that evidence; every ``refresh_tokens`` tokens
 the session (:mod:`kvguard.control.session`) reads the window means and the policy
 (:mod:`kvguard.control.policy`) decides.
+
+On a GPU the per-token evidence stays on the model's device: a token costs no device-to-host copy and no wait
+for the GPU here. The host reads the device once per monitoring step (:meth:`TokenMonitor.window`,
+:meth:`TokenMonitor.features`: the policy is plain Python over a few dozen numbers). What crosses per token is
+host-to-device only (the baseline entropy for the token's key counts, computed on the host from integers it
+already knows); the monitored-layer mask stays on the host, where the hook reads it without touching the device.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ class TokenMonitor:
     run of consecutive low-entropy tokens per layer, and the attention mass every position received."""
 
     def __init__(self, baseline: EntropyBaseline, config: MonitorConfig, num_layers: int, *,
-                 sliding_window: int | None, sliding_layers: tuple[int, ...] = ()) -> None:
+                 sliding_window: int | None, sliding_layers: tuple[int, ...] = (),
+                 device: torch.device | str = "cpu") -> None:
         if baseline.mean.shape[0] != num_layers:
             raise ValueError(f"entropy baseline has {baseline.mean.shape[0]} layers, the model has {num_layers}")
         self.baseline = baseline
@@ -39,6 +46,7 @@ class TokenMonitor:
         self.num_layers = num_layers
         self.sliding_window = sliding_window
         self.sliding = set(sliding_layers)
+        self.device = torch.device(device)  # where the per-token evidence lives: the model's
         monitored = range(num_layers) if config.layers is None else config.layers
         bad = [l for l in monitored if not 0 <= l < num_layers]
         if bad:
@@ -48,16 +56,17 @@ class TokenMonitor:
         self.reset()
 
     def reset(self) -> None:
-        w, n = self.config.window_tokens, self.num_layers
-        self.drops = torch.zeros(w, n)
-        self.werrs = torch.zeros(w, n, 2)
-        self.entropies = torch.zeros(w, n)
+        w, n, d = self.config.window_tokens, self.num_layers, self.device
+        self.drops = torch.zeros(w, n, device=d)
+        self.werrs = torch.zeros(w, n, 2, device=d)
+        self.entropies = torch.zeros(w, n, device=d)
         self.filled = 0
-        self.consecutive = torch.zeros(n, dtype=torch.long)
-        self.nonfinite = torch.zeros((), dtype=torch.bool)
+        self.consecutive = torch.zeros(n, dtype=torch.long, device=d)
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=d)
         self.mass: list[torch.Tensor | None] = [None] * n
         self.tokens = 0
         self.reference = SequenceReference(n, self.config.baseline_tokens)
+        self.reference.level = self.reference.level.to(d)
         self._entropy: dict[int, torch.Tensor] = {}
         self._werr: dict[int, torch.Tensor] = {}
         self._n_keys: dict[int, int] = {}
@@ -86,19 +95,20 @@ class TokenMonitor:
         """Close the current token: turn what the layers recorded into its drop and error per layer."""
         if not self._entropy:
             return
-        n = self.num_layers
-        entropy = torch.zeros(n)
-        werr = torch.zeros(n, 2)
-        n_keys = torch.full((n,), 2, dtype=torch.long)
+        n, d = self.num_layers, self.device
+        entropy = torch.zeros(n, device=d)
+        werr = torch.zeros(n, 2, device=d)
+        n_keys = torch.full((n,), 2, dtype=torch.long)  # host: the counts are host integers already
         layers = list(self._entropy)
-        entropy[layers] = torch.stack([self._entropy[l] for l in layers]).float().cpu()
+        entropy[layers] = torch.stack([self._entropy[l] for l in layers]).float().to(d)
         if self._werr:
             wl = list(self._werr)
-            werr[wl] = torch.stack([self._werr[l] for l in wl]).float().cpu()
+            werr[wl] = torch.stack([self._werr[l] for l in wl]).float().to(d)
         n_keys[layers] = torch.tensor([self._n_keys[l] for l in layers])
         seen = torch.zeros(n, dtype=torch.bool)
         seen[layers] = True
-        ratio = torch.where(seen, baseline_ratio(entropy, self.baseline.expected_mean(n_keys)), torch.ones(()))
+        expected = self.baseline.expected_mean(n_keys).to(d)  # host -> device: no wait for the GPU
+        ratio = torch.where(seen.to(d), baseline_ratio(entropy, expected), torch.ones((), device=d))
         drop = self.reference.drop(ratio)
         self.nonfinite |= ~torch.isfinite(drop).all() | ~torch.isfinite(werr).all()
         drop = torch.nan_to_num(drop, nan=1.0, posinf=1.0, neginf=1.0)  # unreadable attention counts as lost
@@ -110,21 +120,26 @@ class TokenMonitor:
         self.tokens += 1
         self._entropy, self._werr, self._n_keys = {}, {}, {}
 
-    def window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Window means over the tokens seen (at most ``window_tokens``): drop ``[L]``, weighted K/V error
-        ``[L, 2]``, entropy ``[L]``."""
+    def _recent(self) -> torch.Tensor:
         k = max(self.filled, 1)
+        return torch.arange(self.tokens - k, self.tokens, device=self.device) % self.config.window_tokens
+
+    def window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Window means over the tokens seen (at most ``window_tokens``), on the host: drop ``[L]``, weighted
+        K/V error ``[L, 2]``, entropy ``[L]`` (a monitoring step's one read of the device)."""
         if self.filled < self.config.window_tokens:
-            idx = torch.arange(self.tokens - k, self.tokens) % self.config.window_tokens
-            return self.drops[idx].mean(0), self.werrs[idx].mean(0), self.entropies[idx].mean(0)
-        return self.drops.mean(0), self.werrs.mean(0), self.entropies.mean(0)
+            idx = self._recent()
+            means = self.drops[idx].mean(0), self.werrs[idx].mean(0), self.entropies[idx].mean(0)
+        else:
+            means = self.drops.mean(0), self.werrs.mean(0), self.entropies.mean(0)
+        return tuple(m.cpu() for m in means)
 
     def features(self) -> torch.Tensor:
-        """``[L, 4]`` window means of :data:`kvguard.calibration.signals.FEATURES` (drop, |drop|, K error, V error)."""
-        k = max(self.filled, 1)
-        idx = torch.arange(self.tokens - k, self.tokens) % self.config.window_tokens
+        """``[L, 4]`` window means of :data:`kvguard.calibration.signals.FEATURES` (drop, |drop|, K error, V error),
+        on the host."""
+        idx = self._recent()
         d = self.drops[idx]
-        return torch.cat([d.mean(0)[:, None], d.abs().mean(0)[:, None], self.werrs[idx].mean(0)], dim=1)
+        return torch.cat([d.mean(0)[:, None], d.abs().mean(0)[:, None], self.werrs[idx].mean(0)], dim=1).cpu()
 
     def attention_mass(self, layer: int, end: int) -> torch.Tensor:
         mass = self.mass[layer]

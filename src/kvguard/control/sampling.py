@@ -39,15 +39,25 @@ class Sampler:
         return self.temperature == 0
 
     def start(self) -> Callable[[torch.Tensor], int]:
-        """A draw function for one generation (its own random stream)."""
+        """A draw function for one generation (its own random stream).
+
+        The draw runs where the logits are (a GPU's: no copy of the vocabulary to the host); the one value that
+        crosses is the token id, which the caller needs on the host anyway (stop checks, streaming). The random
+        stream is seeded per device, so a seed reproduces a generation on the same kind of device."""
         if self.greedy:
             return lambda logits: int(logits.argmax())
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        generator = torch.Generator().manual_seed(seed)
-        return lambda logits: self._draw(logits, generator)
+        generators: dict[torch.device, torch.Generator] = {}
+
+        def draw(logits: torch.Tensor) -> int:
+            if logits.device not in generators:
+                generators[logits.device] = torch.Generator(device=logits.device).manual_seed(seed)
+            return self._draw(logits, generators[logits.device])
+
+        return draw
 
     def _draw(self, logits: torch.Tensor, generator: torch.Generator) -> int:
-        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
         if self.top_p < 1:
             sorted_probs, order = probs.sort(descending=True)
             keep = sorted_probs.cumsum(0) - sorted_probs < self.top_p  # always keeps the top token

@@ -77,7 +77,8 @@ class LiveSession:
         self.on_step = on_step
         self.enabled = monitor
         self.monitor = TokenMonitor(baseline, self.config, self.arch.num_layers,
-                                    sliding_window=self.arch.sliding_window, sliding_layers=self.arch.sliding_layers)
+                                    sliding_window=self.arch.sliding_window, sliding_layers=self.arch.sliding_layers,
+                                    device=model.device)
         self.cache = self._new_cache()
         self.ids: list[int] = []
         self.state = PolicyState.initial([lp.precision for lp in plan.layers])
@@ -121,12 +122,11 @@ class LiveSession:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Feed a prompt ``[T]`` in one pass (not monitored: it attends to its own full-precision K/V); returns
         the last position's next-token logits ``[vocab]``."""
-        ids = torch.as_tensor(ids).reshape(1, -1).to(self.model.device)
+        ids = torch.as_tensor(ids).reshape(1, -1)
         if ids.shape[1] == 0:
             raise ValueError("empty prompt")
-        logits = self._forward(ids)[0, -1].float()
-        self.ids.extend(ids[0].tolist())
-        return logits
+        self.ids.extend(ids[0].tolist())  # from the caller's tensor, before it is on the device
+        return self._forward(ids.to(self.model.device))[0, -1].float()
 
     @torch.no_grad()
     def step(self, token: int) -> torch.Tensor:

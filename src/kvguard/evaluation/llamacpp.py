@@ -18,6 +18,11 @@ cache), not against kvguard's ``fp16``: what is measured is the error llama.cpp'
 llama.cpp. Bytes come from GGML's blocks (:data:`BLOCKS`), scaled from the FP16 bytes kvguard counts for the
 same tokens, so that sliding-window layers are counted the same way as kvguard's own rows.
 
+Decode speed (``kvguard eval --task speed``): :func:`decoder` wraps the same engine as a
+:class:`~kvguard.control.decoding.Decoder` (``prefill(ids)`` in batches of :data:`PREFILL_BATCH`, llama.cpp's
+default, then ``step(token)`` one token per ``llama_decode``, the last position's logits only), so the speed
+task times it with the very loop and clock it times kvguard's caches with.
+
 ``llama_cpp`` is imported only when a method runs; without it (or without a GGUF) a row says why
 (:class:`~kvguard.evaluation.peers.PeerUnsupported`).
 """
@@ -39,6 +44,7 @@ if TYPE_CHECKING:  # scoring pulls in transformers; this module is imported by t
     from kvguard.evaluation.scoring import StreamScore
 
 PACKAGE = "llama-cpp-python==0.3.36"
+PREFILL_BATCH = 512  # llama.cpp's default n_batch: a prompt is fed in pieces of this many tokens
 PREFIX = "llamacpp-"
 REFERENCE = PREFIX + "f16"
 
@@ -128,8 +134,9 @@ def _import_llama_cpp():
 
 
 @contextmanager
-def _engine(gguf: Path, spec: KVSpec, *, n_ctx: int, chunk: int):
-    """``(llama_cpp, Llama)`` with ``spec``'s cache, closed on exit."""
+def _engine(gguf: Path, spec: KVSpec, *, n_ctx: int, chunk: int, gpu: bool = False):
+    """``(llama_cpp, Llama)`` with ``spec``'s cache, closed on exit; ``gpu``: offload every layer (a CPU build of
+    llama.cpp ignores it and runs on the CPU)."""
     llama_cpp = _import_llama_cpp()
     # torch's count (OMP_NUM_THREADS, torch.set_num_threads), so both engines run on the same threads. llama.cpp's
     # threads spin at every op's barrier: on cores other work also runs, one thread decodes many times faster.
@@ -139,7 +146,8 @@ def _engine(gguf: Path, spec: KVSpec, *, n_ctx: int, chunk: int):
         # tokens) next to the reference; _logits reads each chunk's rows out of the context instead.
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=chunk, n_ubatch=chunk, logits_all=False,
                               type_k=spec.type_k.ggml_id(llama_cpp), type_v=spec.type_v.ggml_id(llama_cpp),
-                              flash_attn=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+                              flash_attn=True, n_threads=threads, n_threads_batch=threads, n_gpu_layers=-1 if gpu else 0,
+                              verbose=False)
     except (ValueError, RuntimeError) as err:
         raise PeerUnsupported(f"{spec.name}: llama.cpp refused {gguf.name}: {err}") from err
     try:
@@ -159,18 +167,80 @@ def _logits(llama_cpp, llm, tokens: list[int], chunk: int, progress: bool, desc:
     try:
         for start in tqdm(range(0, len(tokens), chunk), desc=desc, unit="chunk", disable=not progress, leave=False):
             piece = tokens[start:start + chunk]
-            batch.n_tokens = len(piece)
-            for i, token in enumerate(piece):
-                batch.token[i], batch.pos[i], batch.logits[i] = token, start + i, True
-                batch.n_seq_id[i], batch.seq_id[i][0] = 1, 0
-            code = llama_cpp.llama_decode(llm.ctx, batch)
-            if code != 0:
-                raise RuntimeError(f"llama_decode returned {code} at token {start}")
+            _decode(llama_cpp, llm, batch, piece, start, every_output=True)
             # [n, vocab] over llama.cpp's own buffer, which the next decode overwrites: copied out.
             rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), shape=(len(piece), vocab))
             yield torch.from_numpy(rows.copy())
     finally:
         llama_cpp.llama_batch_free(batch)
+
+
+def _decode(llama_cpp, llm, batch, piece: list[int], start: int, *, every_output: bool) -> None:
+    """One ``llama_decode`` of ``piece`` at positions ``start..``; logits for every token of it, or the last only."""
+    batch.n_tokens = len(piece)
+    for i, token in enumerate(piece):
+        batch.token[i], batch.pos[i], batch.logits[i] = token, start + i, every_output or i == len(piece) - 1
+        batch.n_seq_id[i], batch.seq_id[i][0] = 1, 0
+    code = llama_cpp.llama_decode(llm.ctx, batch)
+    if code != 0:
+        raise RuntimeError(f"llama_decode returned {code} at token {start}")
+
+
+class Decoder:
+    """llama.cpp as a :class:`~kvguard.control.decoding.Decoder`: ``prefill(ids)`` then ``step(token)``, each
+    returning the next-token logits ``[vocab]`` (float32, on the CPU, where llama.cpp hands them out)."""
+
+    def __init__(self, llama_cpp, llm) -> None:
+        self.llama_cpp, self.llm = llama_cpp, llm
+        self.length = 0
+        self._batch = llama_cpp.llama_batch_init(PREFILL_BATCH, 0, 1)
+
+    def close(self) -> None:
+        self.llama_cpp.llama_batch_free(self._batch)
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        import numpy as np  # llama_cpp's own dependency
+
+        for start in range(0, len(tokens), PREFILL_BATCH):
+            piece = tokens[start:start + PREFILL_BATCH]
+            _decode(self.llama_cpp, self.llm, self._batch, piece, self.length, every_output=False)
+            self.length += len(piece)
+        # [vocab] over llama.cpp's own buffer, which the next decode overwrites: copied out.
+        row = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return torch.from_numpy(np.ctypeslib.as_array(row, shape=(self.llm.n_vocab(),)).copy())
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        tokens = torch.as_tensor(ids).reshape(-1).tolist()
+        if not tokens:
+            raise ValueError("empty prompt")
+        return self._feed(tokens)
+
+    def step(self, token: int) -> torch.Tensor:
+        return self._feed([int(token)])
+
+
+@contextmanager
+def decoder(gguf: Path | None, spec: KVSpec, *, n_ctx: int, gpu: bool = False) -> Iterator[Decoder]:
+    """A :class:`Decoder` over ``gguf`` with ``spec``'s cache for up to ``n_ctx`` tokens, closed on exit.
+
+    Raises:
+        PeerUnsupported: as :func:`score` does.
+    """
+    with _engine(_require_gguf(gguf, spec), spec, n_ctx=n_ctx, chunk=PREFILL_BATCH, gpu=gpu) as (llama_cpp, llm):
+        engine = Decoder(llama_cpp, llm)
+        try:
+            yield engine
+        finally:
+            engine.close()
+
+
+def _require_gguf(gguf: Path | None, spec: KVSpec) -> Path:
+    if gguf is None:
+        from kvguard import models
+
+        raise PeerUnsupported(f"{spec.name} runs llama.cpp on the GGUF file an embedded model comes from "
+                              f"[{', '.join(models.EMBEDDED)}]; this model is a local folder with no GGUF")
+    return Path(gguf)
 
 
 def score(gguf: Path | None, ids: torch.Tensor, spec: KVSpec, *, chunk: int = 1,
@@ -183,15 +253,11 @@ def score(gguf: Path | None, ids: torch.Tensor, spec: KVSpec, *, chunk: int = 1,
         PeerUnsupported: no GGUF (not an embedded model), ``llama_cpp`` not installed, or llama.cpp refusing
             the model or the cache type.
     """
-    if gguf is None:
-        from kvguard import models
-
-        raise PeerUnsupported(f"{spec.name} runs llama.cpp on the GGUF file an embedded model comes from "
-                              f"[{', '.join(models.EMBEDDED)}]; this model is a local folder with no GGUF")
+    gguf = _require_gguf(gguf, spec)
     from kvguard.evaluation.scoring import score_logits
 
     ids = torch.as_tensor(ids).reshape(-1)
     tokens = ids[:-1].tolist()  # the last token is only a target
-    with _engine(Path(gguf), spec, n_ctx=max(len(tokens), 1), chunk=chunk) as (llama_cpp, llm):
+    with _engine(gguf, spec, n_ctx=max(len(tokens), 1), chunk=chunk) as (llama_cpp, llm):
         return score_logits(ids, _logits(llama_cpp, llm, tokens, chunk, progress, spec.name), reference=reference,
                             keep_logits=keep_logits)

@@ -4,6 +4,13 @@ Each (method, context) runs in a fresh Python process so its peak resident memor
 run one after another on the same machine, and ratios are taken against ``fp16`` from the same run.
 
     python -m kvguard.evaluation.speed --model smollm2-135m --method int4 --context 1024 --new-tokens 64   # one JSON line
+
+Every method is timed the same way, by :func:`time_decode`: prefill the same ``context`` tokens of held-out
+text, then ``new_tokens`` greedy steps through :func:`kvguard.control.decoding.generate`, the clock running
+from the prefill's token to the last. llama.cpp's own caches (``llamacpp-*``) run that loop over
+:func:`kvguard.evaluation.llamacpp.decoder` on the embedded model's GGUF, in a process that never loads the
+transformers model (so its peak RSS is llama.cpp's alone); their rows also carry ``tok_s_vs_reference``,
+the ratio to ``llamacpp-f16`` in the same run, the llama.cpp counterpart of kvguard's ``vs fp16``.
 """
 
 from __future__ import annotations
@@ -19,28 +26,62 @@ import time
 import torch
 
 
-@torch.no_grad()
-def measure(model_name: str, method_name: str, context: int, new_tokens: int, profile_path: str | None = None) -> dict:
-    """Prefill ``context`` tokens of held-out text, then time ``new_tokens`` greedy decode steps (the feedback
-    loop's monitoring steps and any compensation they trigger included, for live methods)."""
-    from kvguard import data, models
-    from kvguard.control.decoding import CacheDecoder, generate
-    from kvguard.evaluation import methods
-    from kvguard.profile import Profile
+def time_decode(decoder, ids: torch.Tensor, new_tokens: int) -> float:
+    """Seconds of ``new_tokens`` greedy decode steps after prefilling ``ids`` (prefill not counted)."""
+    from kvguard.control.decoding import generate
 
-    model, tok = models.load(model_name)
-    method = methods.get(method_name, Profile.load(profile_path, model) if profile_path else None)
-    ids = data.token_stream("long", "eval", tok, context)
-    decoder = method.session(model) if method.live else CacheDecoder(model, method.make_cache(model))
     started: list[float] = []
     # new_tokens + 1 tokens: the clock starts at the first (the prefill's), then new_tokens steps follow.
     generate(decoder, ids, new_tokens + 1, on_token=lambda _: started.append(time.perf_counter()) if not started else None)
-    seconds = time.perf_counter() - started[0]
+    return time.perf_counter() - started[0]
+
+
+@torch.no_grad()
+def measure(model_name: str, method_name: str, context: int, new_tokens: int, profile_path: str | None = None,
+            device: str = "cpu") -> dict:
+    """Prefill ``context`` tokens of held-out text, then time ``new_tokens`` greedy decode steps (the feedback
+    loop's monitoring steps and any compensation they trigger included, for live methods) on ``device``."""
+    from kvguard import data, models
+    from kvguard.control.decoding import CacheDecoder
+    from kvguard.evaluation import llamacpp, methods
+    from kvguard.profile import Profile
+
+    if methods.reference_of(method_name) == llamacpp.REFERENCE:
+        return _measure_llamacpp(model_name, llamacpp.SPECS[method_name], context, new_tokens, device)
+    model, tok = models.load(model_name, device=device)
+    method = methods.get(method_name, Profile.load(profile_path, model) if profile_path else None)
+    ids = data.token_stream("long", "eval", tok, context)
+    decoder = method.session(model) if method.live else CacheDecoder(model, method.make_cache(model))
+    seconds = time_decode(decoder, ids, new_tokens)
     cache = decoder.cache
     extra = {}
     if method.live:
         extra = {"monitoring_steps": decoder.counters.steps, "acted_steps": decoder.counters.acted_steps}
     return _row(method_name, context, new_tokens, seconds, *methods.kv_bytes(cache), **extra)
+
+
+def _measure_llamacpp(model_name: str, spec, context: int, new_tokens: int, device: str) -> dict:
+    """:func:`measure` for a llama.cpp cache: the same tokens and loop, in llama.cpp on the model's GGUF; bytes
+    from GGML's blocks over the FP16 bytes kvguard counts for the same tokens (as the ppl rows do)."""
+    from transformers import AutoConfig
+
+    from kvguard import data, models
+    from kvguard.architecture import Architecture
+    from kvguard.device import resolve
+    from kvguard.evaluation import llamacpp, methods
+    from kvguard.plan import Plan
+
+    tok = models.load_tokenizer(model_name)
+    ids = data.token_stream("long", "eval", tok, context)
+    gguf = models.gguf_path(model_name) if model_name in models.EMBEDDED else None
+    gpu = resolve(device).type == "cuda"
+    with llamacpp.decoder(gguf, spec, n_ctx=context + new_tokens + 1, gpu=gpu) as engine:
+        seconds = time_decode(engine, ids, new_tokens)
+    config = AutoConfig.from_pretrained(models.resolve(model_name))
+    # The cache holds the context and every decoded token but the last (which was never fed back).
+    _, fp16 = methods.static_kv_bytes(Plan.uniform(Architecture.from_config(config), "fp16"), config,
+                                      context + new_tokens)
+    return _row(spec.name, context, new_tokens, seconds, llamacpp.kv_bytes(spec, fp16), fp16)
 
 
 def _row(method_name: str, context: int, new_tokens: int, seconds: float, stored: int, fp16: int, **extra) -> dict:
@@ -57,17 +98,24 @@ def _row(method_name: str, context: int, new_tokens: int, seconds: float, stored
 
 
 def run(model_name: str, method_names: list[str], contexts: list[int], new_tokens: int, progress: bool = True,
-        profile_path: str | None = None) -> list[dict]:
-    """One subprocess per (context, method); adds ``tok_s_ratio`` and ``peak_rss_ratio`` against ``fp16``."""
-    names = ["fp16"] + [n for n in method_names if n != "fp16"]
+        profile_path: str | None = None, device: str = "cpu") -> list[dict]:
+    """One subprocess per (context, method); adds ``tok_s_ratio`` and ``peak_rss_ratio`` against ``fp16``, and
+    for llama.cpp's caches ``tok_s_vs_reference`` against ``llamacpp-f16`` (run first among them)."""
+    from kvguard.device import name as device_name
+    from kvguard.evaluation import llamacpp, methods
+
+    in_llamacpp = [n for n in method_names if methods.reference_of(n) == llamacpp.REFERENCE]
+    names = ["fp16"] + [n for n in method_names if n != "fp16" and n not in in_llamacpp]
+    names += [llamacpp.REFERENCE] + [n for n in in_llamacpp if n != llamacpp.REFERENCE] if in_llamacpp else []
+    device = device_name(device)  # auto resolved once here: every subprocess runs on the same device
     rows = []
     for context in contexts:
-        base = None
+        base, reference = None, None
         for name in names:
             if progress:
                 print(f"[kvguard eval] speed: {name} at {context} tokens", file=sys.stderr, flush=True)
             cmd = [sys.executable, "-m", "kvguard.evaluation.speed", "--model", model_name, "--method", name,
-                   "--context", str(context), "--new-tokens", str(new_tokens)]
+                   "--context", str(context), "--new-tokens", str(new_tokens), "--device", device]
             cmd += ["--profile", str(profile_path)] if profile_path else []
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
             if proc.returncode != 0:
@@ -78,11 +126,16 @@ def run(model_name: str, method_names: list[str], contexts: list[int], new_token
             base = base or row
             row["tok_s_ratio"] = row["tok_s"] / base["tok_s"]
             row["peak_rss_ratio"] = row["peak_rss_mb"] / base["peak_rss_mb"]
+            if name == llamacpp.REFERENCE:
+                reference = row
+            if name in in_llamacpp and reference is not None:
+                row["tok_s_vs_reference"] = row["tok_s"] / reference["tok_s"]
             rows.append(row)
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
+    """The rows as a Markdown table; llama.cpp's decode ratios to ``llamacpp-f16`` on lines below it."""
     lines = ["| context | method | tok/s | vs fp16 | peak RSS MiB | vs fp16 | kv_bytes_ratio |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -92,6 +145,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['context']} | {r['method']} | {r['tok_s']:.2f} | {r['tok_s_ratio']:.2f} | {r['peak_rss_mb']:.0f} | "
             f"{r['peak_rss_ratio']:.2f} | {r['kv_bytes_ratio']:.3f} |"
         )
+    lines += [f"\n{r['method']} / llamacpp-f16 decode speed at {r['context']} tokens: {r['tok_s_vs_reference']:.2f}"
+              for r in rows if "tok_s_vs_reference" in r and r["method"] != "llamacpp-f16"]
     return "\n".join(lines)
 
 
@@ -102,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, required=True)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--profile", help="calibration profile (for the kvguard method)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: %(default)s)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(json.dumps(measure(args.model, args.method, args.context, args.new_tokens, args.profile)))
+    print(json.dumps(measure(args.model, args.method, args.context, args.new_tokens, args.profile, args.device)))
     return 0
 
 

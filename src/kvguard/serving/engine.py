@@ -63,7 +63,7 @@ class Engine:
         self.log_stream = log or sys.stderr
         self.log_lock = threading.Lock()
         self.profile = Profile.load(cfg.profile)
-        self.model, self.tok = models.load(cfg.model)
+        self.model, self.tok = models.load(cfg.model, device=cfg.device)
         self.profile.check_model(self.model)
         self.model_name = self.profile.model_name if cfg.model == self.profile.model_name else cfg.model
         attention.install(self.model)  # once, before any worker runs: never switched while serving

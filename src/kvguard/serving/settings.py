@@ -22,6 +22,7 @@ class ServeConfig:
         max_new_tokens: the most tokens one request may generate.
         torch_threads: torch threads; 0: the machine's cores shared evenly among the workers.
         log_file: append the JSON log lines here instead of stderr.
+        device: where the model runs (``cpu``, ``cuda``, ``auto``; :mod:`kvguard.device`).
     """
 
     model: str
@@ -35,8 +36,12 @@ class ServeConfig:
     max_new_tokens: int = 512
     torch_threads: int = 0
     log_file: str | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        from kvguard.device import Device
+
+        Device(self.device)  # a ValueError listing the valid names
         for name in ("max_concurrency", "max_prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
