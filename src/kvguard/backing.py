@@ -8,10 +8,11 @@ so the feedback loop can put a token's original K/V into the overlay instead of 
 it against the already-quantized past (:mod:`kvguard.control.recompute`).
 
 The store is bounded. ``BackingConfig.max_bytes`` caps the bytes it holds over all layers of one cache, and it
-evicts **oldest first**: the groups stored earliest go first, whichever layer they belong to (one forward
-pass stores the same positions in every layer, so this drops the lowest positions of all layers, layer by
-layer). Whole groups are the unit (``group_size`` tokens of one layer, as they were quantized); a group
-larger than the whole cap is not kept. Positions evicted, never quantized, or dropped by a sliding layer are
+evicts **oldest first**: the group of the lowest absolute position goes first, over all layers (the lowest
+layer first among equal positions), so every layer keeps the same most recent positions. Not the order of
+storing: a forward pass stores all of layer 0's groups before layer 1's, and first-stored-first-evicted would
+empty the lower layers on a long prompt. Whole groups are the unit (``group_size`` tokens of one layer, as
+they were quantized); a group larger than the whole cap is not kept. Positions evicted, never quantized, or dropped by a sliding layer are
 reported *missing* and fall back to recomputation.
 
 Layout: a layer's entry is a list of chunks in ascending position order, each ``[B, H_kv, group_size, D]``
@@ -23,7 +24,6 @@ them).
 from __future__ import annotations
 
 import bisect
-import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -69,7 +69,6 @@ class _Chunk:
     first: int  # absolute position of its first token
     keys: torch.Tensor  # [B, H_kv, n, D], host memory
     values: torch.Tensor
-    order: int  # when it was stored, over the whole store: eviction goes by it
 
     @property
     def length(self) -> int:
@@ -94,7 +93,6 @@ class BackingStore:
         self.device = torch.device(device)
         self._layers: dict[int, _LayerEntry] = {}
         self._bytes = 0
-        self._order = itertools.count()
         self.evicted_tokens = 0  # (layer, position) pairs evicted by the cap since creation
 
     # ---------------------------------------------------------------- writing
@@ -112,7 +110,7 @@ class BackingStore:
             # Copies (not views): a view would keep the whole block alive after its neighbours are evicted.
             k = keys[..., start:start + group_size, :].to(self.device, copy=True).contiguous()
             v = values[..., start:start + group_size, :].to(self.device, copy=True).contiguous()
-            chunk = _Chunk(first + start, k, v, next(self._order))
+            chunk = _Chunk(first + start, k, v)
             if chunk.nbytes > self.config.max_bytes:
                 continue
             entry.chunks.append(chunk)
@@ -122,7 +120,8 @@ class BackingStore:
 
     def _evict(self) -> None:
         while self._bytes > self.config.max_bytes:
-            layer = min((l for l, e in self._layers.items() if e.chunks), key=lambda l: self._layers[l].chunks[0].order)
+            # A layer's chunks ascend, so its first is its oldest.
+            layer = min((l for l, e in self._layers.items() if e.chunks), key=lambda l: (self._layers[l].chunks[0].first, l))
             self.evicted_tokens += self._pop_front(layer)
 
     def _pop_front(self, layer: int) -> int:
