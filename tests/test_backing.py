@@ -9,6 +9,7 @@ from kvguard.backing import BackingConfig, BackingStore
 from kvguard.cache import KVGuardCache
 from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
 from kvguard.config import CacheConfig, MonitorConfig
+from kvguard.control.events import describe
 from kvguard.control.recompute import restore_then_recompute
 from kvguard.control.session import LiveSession
 from kvguard.entropy import EntropyBaseline
@@ -112,6 +113,7 @@ def test_backing_bytes_are_reported_apart_from_nbytes():
     assert quantized == 24
     assert on.nbytes() == off.nbytes() == disabled.nbytes()  # the hot cache is unchanged
     assert off.backing_bytes() == disabled.backing_bytes() == 0 and disabled.backing is None
+    assert off.restore(0, [5, 9]).numel() == 0  # nothing kept: everything is missing
     per_layer = quantized * arch.num_kv_heads * arch.head_dim * 2 * 2  # K and V, float16
     assert on.backing_bytes(0) == per_layer and on.backing_bytes() == arch.num_layers * per_layer
     on.reset()
@@ -196,6 +198,7 @@ def test_an_alarm_restores_the_original_kv(monkeypatch):
     assert summary["restored_positions"] == acted.restored and summary["recomputed_positions"] == 0
     assert summary["backing_bytes"] == session.cache.backing_bytes() > 0
     assert acted.to_json()["restored"] == acted.restored
+    assert f"{acted.restored} (layer, position) pairs restored exactly" in describe(acted.to_json())
     for l in acted.layers:
         layer = session.cache.layers[l]
         pos = layer.overlay_positions()

@@ -162,7 +162,8 @@ def select_positions(cache, monitor, layers: Sequence[int], end: int, fraction: 
         layer_score[q] = mass[q] * err[q]
         score += layer_score
     first = first_recomputable(cache)
-    score[:first] = torch.where(_backed_everywhere(cache, layers, first), score[:first], torch.zeros(()))
+    if first:
+        score[:first] = torch.where(_backed_everywhere(cache, layers, first), score[:first], torch.zeros(()))
     k = min(ceil_fraction(fraction, quantized), max(room, default=0), int((score > 0).sum()))
     if k <= 0:
         return torch.zeros(0, dtype=torch.long)

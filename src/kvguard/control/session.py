@@ -213,7 +213,7 @@ class LiveSession:
         ms = 1000 * (time.perf_counter() - t0)
         if decision.action.recomputes:
             c.recompute_ms += ms
-        self._event(decision, window, entropy, positions, ms, restored if self.backing else None)
+        self._event(decision, window, entropy, positions, ms, restored if self.cache.backing is not None else None)
 
     @torch.no_grad()
     def rollback_full(self) -> None:
