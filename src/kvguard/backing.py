@@ -181,13 +181,12 @@ class BackingStore:
                 vs.append(chunk.values[..., p - chunk.first, :])
             else:
                 missing.append(p)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)
         if not found:
-            empty = torch.zeros(0)
-            return Restored(as_long(found), empty, empty, as_long(missing))
+            empty = torch.zeros(0, device=device)  # nothing held: no batch or head shape to give
+            return Restored(_long(found), empty, empty, _long(missing))
         keys = torch.stack(ks, dim=-2).to(device)  # [B, H_kv, R, D]
         values = torch.stack(vs, dim=-2).to(device)
-        return Restored(as_long(found), keys, values, as_long(missing))
+        return Restored(_long(found), keys, values, _long(missing))
 
     def nbytes(self, layer: int | None = None) -> int:
         """Bytes of the originals held, for one layer or the whole store."""
@@ -195,3 +194,7 @@ class BackingStore:
             return self._bytes
         entry = self._layers.get(layer)
         return 0 if entry is None else sum(c.nbytes for c in entry.chunks)
+
+
+def _long(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
