@@ -8,7 +8,8 @@ import kvguard
 
 ROOT = Path(kvguard.__file__).parent
 CORE = ("precision", "packing", "quantizer", "config", "plan", "cache_layer", "cache", "fp8", "per_token_head",
-        "simulate", "entropy", "profile", "models", "data", "assets", "architecture", "attention", "atomic", "rotation")
+        "simulate", "entropy", "profile", "models", "data", "assets", "architecture", "attention", "atomic", "rotation",
+        "backing")
 STAGES = ("calibration", "control", "evaluation", "serving")
 MAX_FUNCTION_LINES = 80
 
