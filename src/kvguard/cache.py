@@ -6,6 +6,10 @@
 
 Layers follow the model's ``layer_types``: sliding-window layers (Gemma 3) get
 :class:`~kvguard.cache_layer.KVGuardSlidingLayer`, the others :class:`~kvguard.cache_layer.KVGuardLayer`.
+
+With ``backing=BackingConfig(enabled=True, max_bytes=...)`` the cache also keeps the full-precision originals
+of the tokens it quantizes in a bounded host-memory store (:mod:`kvguard.backing`); ``restore`` puts them back
+into a layer's overlay bit for bit, and ``backing_bytes`` reports the store apart from ``nbytes``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache
 
+from kvguard.backing import BackingConfig, BackingStore
 from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
 from kvguard.config import CacheConfig
 from kvguard.architecture import Architecture
@@ -31,20 +36,24 @@ class KVGuardCache(Cache):
         precision: one precision for every layer (``"fp16"``, ``"int8"``, ``"int4"``, ``"int2"``), or a list
             with one entry per layer, each a precision or a list of per-KV-head precisions.
         cache_config: layout knobs (window, sinks, group size, storage dtype); see :class:`CacheConfig`.
+        backing: keep the originals of quantized tokens for exact restores (:class:`~kvguard.backing.BackingConfig`;
+            ``None`` or disabled: not kept).
     """
 
     def __init__(self, config, precision: "PrecisionLike | Sequence[PrecisionLike]" = Precision.INT4,
-                 cache_config: CacheConfig | None = None):
+                 cache_config: CacheConfig | None = None, backing: BackingConfig | None = None):
         arch = Architecture.from_config(config)
         self.architecture = arch
         self.cache_config = cache_config or CacheConfig()
+        self.backing = BackingStore(backing) if backing is not None and backing.enabled else None
         per_layer = _per_layer(precision, arch.num_layers)
         layers: list[KVGuardLayer] = []
         for idx, p in enumerate(per_layer):
             if arch.is_sliding(idx):
-                layers.append(KVGuardSlidingLayer(p, self.cache_config, idx, sliding_window=arch.sliding_window))
+                layers.append(KVGuardSlidingLayer(p, self.cache_config, idx, sliding_window=arch.sliding_window,
+                                                  backing=self.backing))
             else:
-                layers.append(KVGuardLayer(p, self.cache_config, idx))
+                layers.append(KVGuardLayer(p, self.cache_config, idx, self.backing))
             if isinstance(layers[-1].precision, tuple) and len(layers[-1].precision) != arch.num_kv_heads:
                 raise ValueError(
                     f"layer {idx}: {len(layers[-1].precision)} per-head precisions given, the model has "
@@ -69,8 +78,21 @@ class KVGuardCache(Cache):
         """Overwrite absolute ``positions`` of ``layer`` with full-precision K/V (``[B, H_kv, P, D]``)."""
         self._layer(layer).write_fp(positions, keys, values)
 
+    def restore(self, layer: int, positions) -> torch.Tensor:
+        """Write the backed originals of absolute ``positions`` into ``layer``'s overlay, bit for bit; returns the
+        positions restored (the rest are missing from the backing: evicted, not quantized, or none kept)."""
+        return self._layer(layer).restore(positions)
+
+    def backing_bytes(self, layer: int | None = None) -> int:
+        """Bytes of the backing tier (the originals of quantized tokens), for one layer or the whole cache;
+        not counted in :meth:`nbytes`."""
+        if layer is not None:
+            return self._layer(layer).backing_nbytes()
+        return 0 if self.backing is None else self.backing.nbytes()
+
     def nbytes(self, layer: int | None = None) -> int:
-        """Measured bytes of every stored tensor, for one layer or the whole cache."""
+        """Measured bytes of every stored tensor, for one layer or the whole cache (the hot tier: the backing
+        tier is :meth:`backing_bytes`)."""
         if layer is not None:
             return self._layer(layer).nbytes()
         return sum(l.nbytes() for l in self.layers)

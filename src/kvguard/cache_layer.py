@@ -14,6 +14,11 @@ A layer stores the tokens it has seen, in order, as::
   randomized Hadamard matrix per KV head (:mod:`kvguard.rotation`), read back as ``dequantize(...) @ R.T``.
 - **overlay**: full-precision K/V for chosen quantized positions (selective recomputation writes it through
   :meth:`KVGuardLayer.write_fp`); it wins over the codes when the layer is read.
+- **backing** (optional, off by default): every group ``_store`` quantizes also goes, as the window held it, to
+  the cache's :class:`~kvguard.backing.BackingStore` (host memory, a byte cap, oldest first evicted);
+  :meth:`KVGuardLayer.restore` writes those originals back into the overlay bit for bit. Its bytes are not
+  the layer's (``nbytes`` leaves them out; ``backing_nbytes`` reports them). It follows the layer: ``reset``
+  clears it, batch reorders / selections apply to it, a sliding layer drops the groups it drops.
 
 Every tensor is ``[B, H_kv, T, D]`` (batch, KV heads, tokens, head_dim). ``update`` returns the stored past
 (dequantized, overlay applied) followed by the new tokens at the precision the model computed them in.
@@ -36,6 +41,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvguard import attention, fused_attention, rotation
+from kvguard.backing import BackingStore
 from kvguard.config import CacheConfig
 from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize
@@ -92,10 +98,12 @@ class KVGuardLayer(CacheLayerMixin):
         precision: "Precision | str | Sequence[Precision | str]" = Precision.INT4,
         config: CacheConfig | None = None,
         layer_idx: int = 0,
+        backing: BackingStore | None = None,
     ):
         super().__init__()
         self.config = config or CacheConfig()
         self.layer_idx = layer_idx
+        self.backing = backing  # originals of quantized groups (shared by the cache's layers); None: not kept
         self._requested = self._parse_precision(precision)
         self.key_clip = self.config.key_clip
         self.value_clip = self.config.value_clip
@@ -119,6 +127,8 @@ class KVGuardLayer(CacheLayerMixin):
         return parsed
 
     def _clear(self) -> None:
+        if self.backing is not None:
+            self.backing.clear(self.layer_idx)
         self._sinks_k = self._sinks_v = None
         self._runs: list[_Run] = []
         self._win_k = self._win_v = None
@@ -254,6 +264,9 @@ class KVGuardLayer(CacheLayerMixin):
                 self._track(part, first, (k, v), (_read_new(part, k_new, True), _read_new(part, v_new, False)))
         run.length += keys.shape[-2]
         self.stored_last_update = True
+        if self.backing is not None and any(pl.key_spec is not None for pl in layout):
+            # keys / values are the window's own tensors (fp_dtype): what the overlay would hold for them.
+            self.backing.put(self.layer_idx, first, keys, values, self.config.group_size)
 
     def _new_part(self, pl: _PartLayout) -> _Part:
         index = torch.tensor(pl.heads, device=self.device)
@@ -459,6 +472,24 @@ class KVGuardLayer(CacheLayerMixin):
         self._overlay_pos = pos[order]
         self._overlay_k, self._overlay_v = keys[:, :, order], values[:, :, order]
 
+    def restore(self, positions) -> torch.Tensor:
+        """Write the backed originals of quantized absolute ``positions`` into the overlay, bit for bit; returns
+        the positions restored (``[R]``, ascending). Positions the backing does not hold (evicted, never
+        quantized, or none kept) are left as they are."""
+        pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+        if self.backing is None or not self.is_initialized or pos.numel() == 0:
+            return torch.zeros(0, dtype=torch.long)
+        found = self.backing.restore(self.layer_idx, pos[pos >= self.offset], self.device)
+        if found.positions.numel():
+            self.write_fp(found.positions, found.keys, found.values)
+        return found.positions
+
+    def backed_positions(self) -> torch.Tensor:
+        """Absolute positions whose originals the backing holds for this layer (``[N]``, ascending)."""
+        if self.backing is None:
+            return torch.zeros(0, dtype=torch.long)
+        return self.backing.positions(self.layer_idx)
+
     def overlay_positions(self) -> torch.Tensor:
         """Absolute positions currently served from the full-precision overlay."""
         if self._overlay_pos is None:
@@ -477,6 +508,10 @@ class KVGuardLayer(CacheLayerMixin):
         sides = {side for run in self._runs for part in run.parts
                  for side, on in (("k", part.layout.key_rotated), ("v", part.layout.value_rotated)) if on}
         return total + len(sides) * rotation.sign_bytes(self.head_dim, self.num_heads)
+
+    def backing_nbytes(self) -> int:
+        """Bytes of this layer's originals in the backing tier (not part of ``nbytes``)."""
+        return 0 if self.backing is None else self.backing.nbytes(self.layer_idx)
 
     def reference_tokens(self) -> int:
         """Tokens an FP16 cache of this layer type would hold now."""
@@ -508,6 +543,8 @@ class KVGuardLayer(CacheLayerMixin):
                 part.keys, part.values = _map(part.keys, fn), _map(part.values, fn)
         if self._overlay_k is not None:
             self._overlay_k, self._overlay_v = fn(self._overlay_k), fn(self._overlay_v)
+        if self.backing is not None:
+            self.backing.map_batch(self.layer_idx, fn)
         self.batch_size = self._win_k.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -539,8 +576,9 @@ class KVGuardSlidingLayer(KVGuardLayer):
 
     is_sliding = True
 
-    def __init__(self, precision=Precision.INT4, config: CacheConfig | None = None, layer_idx: int = 0, *, sliding_window: int):
-        super().__init__(precision, config, layer_idx)
+    def __init__(self, precision=Precision.INT4, config: CacheConfig | None = None, layer_idx: int = 0, *, sliding_window: int,
+                 backing: BackingStore | None = None):
+        super().__init__(precision, config, layer_idx, backing)
         if sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.sliding_window = sliding_window
@@ -586,6 +624,8 @@ class KVGuardSlidingLayer(KVGuardLayer):
             keep = self._overlay_pos >= self.offset
             self._overlay_pos = self._overlay_pos[keep]
             self._overlay_k, self._overlay_v = self._overlay_k[:, :, keep], self._overlay_v[:, :, keep]
+        if self.backing is not None:
+            self.backing.drop_before(self.layer_idx, self.offset)
 
 
 def _grow(buffer: torch.Tensor | None, heads: int, size: int, device=None) -> torch.Tensor:

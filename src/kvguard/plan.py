@@ -82,16 +82,17 @@ class Plan:
             if len(lp.precision) != arch.num_kv_heads:
                 raise ValueError(f"plan layer {i} has {len(lp.precision)} head precisions, the model has {arch.num_kv_heads} KV heads")
 
-    def make_cache(self, model_config, scales: StaticScales | None = None):
+    def make_cache(self, model_config, scales: StaticScales | None = None, backing=None):
         """A fresh :class:`~kvguard.cache.KVGuardCache` that stores tokens as this plan says (INT8 heads with
-        calibrated ``scales`` when given)."""
+        calibrated ``scales`` when given; the originals of quantized tokens kept as ``backing``, a
+        :class:`~kvguard.backing.BackingConfig`, says)."""
         from kvguard.cache import KVGuardCache
 
         arch = Architecture.from_config(model_config)
         self.check(arch)
         if scales is not None:
             scales.check(arch)
-        cache = KVGuardCache(arch, [lp.uniform or lp.precision for lp in self.layers], self.cache)
+        cache = KVGuardCache(arch, [lp.uniform or lp.precision for lp in self.layers], self.cache, backing)
         for i, (layer, lp) in enumerate(zip(cache.layers, self.layers)):
             layer.set_clip(lp.key_clip, lp.value_clip)
             layer.set_rotation(lp.key_rotation, lp.value_rotation)

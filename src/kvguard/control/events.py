@@ -2,7 +2,8 @@
 
 Every switch the loop makes is logged completely (for root-cause analysis): when, which sequence and token,
 why (the alarm), what (the action), the rollback level, the layers concerned with their entropy, baseline, drop
-and risk, how many positions were recomputed and how long it took.
+and risk, how many positions were compensated (and, with a backing tier, how many (layer, position) pairs were
+restored exactly rather than recomputed) and how long it took.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Event:
     risk: tuple[float, ...] | None
     positions: int = 0
     ms: float = 0.0
+    restored: int | None = None  # compensation with a backing tier: (layer, position) pairs restored exactly
     previous_level: int | None = None
     precision: tuple[str, ...] | None = None
     cooldown_steps: int | None = None
@@ -56,6 +58,7 @@ class StepRecord:
     monitored: tuple[bool, ...]
     acted: bool
     recomputed: int  # (layer, position) pairs recomputed in this step
+    restored: int = 0  # (layer, position) pairs restored from the backing tier in this step
 
 
 @dataclass
@@ -67,7 +70,8 @@ class Counters:
     warnings: int = 0
     triggers: int = 0
     severe: int = 0
-    recomputed_positions: int = 0  # (layer, position) pairs written at full precision
+    recomputed_positions: int = 0  # (layer, position) pairs recomputed and written at full precision
+    restored_positions: int = 0  # (layer, position) pairs restored bit for bit from the backing tier
     recompute_ms: float = 0.0
     max_level: int = 0
     recalibration_recommended: bool = False
@@ -109,7 +113,9 @@ def describe(record: dict) -> str:
     where = f" on layer{'s' if len(layers) > 1 else ''} {layer_ranges(layers)}" if layers else ""
     text = f"token {record['token']:>5}  {record['alarm']:<12} -> {action}{where}"
     if record.get("positions"):
-        text += f": {record['positions']} positions recomputed ({record.get('ms', 0):.0f} ms)"
+        restored = record.get("restored")
+        how = f"compensated, {restored} (layer, position) pairs restored exactly" if restored else "recomputed"
+        text += f": {record['positions']} positions {how} ({record.get('ms', 0):.0f} ms)"
     if record.get("precision"):
         tiers = sorted(set(record["precision"]))
         text += f": now {'/'.join(tiers)}"

@@ -5,6 +5,11 @@ The chosen tokens are fed again at their own positions through a read-only view 
 nothing), with an attention hook that lets each re-fed token see only the stored keys before its position (and
 inside its sliding window). The K/V the model computes for them are the full-precision values the session
 writes into the cache's overlay (``KVGuardCache.write_fp``).
+
+When the cache keeps a backing tier (:mod:`kvguard.backing`), :func:`restore_then_recompute` first puts back the
+originals it holds (bit for bit, ``KVGuardCache.restore``) and recomputes only the (layer, position) pairs it
+is missing. A backed position needs no context, so positions a sliding layer no longer holds the context of
+(before :func:`first_recomputable`) can still be compensated in every layer whose backing holds them.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -132,7 +137,8 @@ def first_recomputable(cache) -> int:
 def select_positions(cache, monitor, layers: Sequence[int], end: int, fraction: float, cap: float) -> torch.Tensor:
     """The quantized positions to recompute for ``layers``: the top ``fraction`` of a layer's quantized
     positions by attention mass received x quantization error (summed over the layers), excluding positions
-    already at full precision and those before :func:`first_recomputable`, within the overlay ``cap``."""
+    already at full precision and those before :func:`first_recomputable` that the backing tier does not hold
+    for every one of ``layers``, within the overlay ``cap``."""
     score = torch.zeros(end)
     quantized = 0
     room = []
@@ -150,19 +156,33 @@ def select_positions(cache, monitor, layers: Sequence[int], end: int, fraction: 
         layer_score = torch.zeros(end)
         layer_score[q] = mass[q] * err[q]
         score += layer_score
-    score[:first_recomputable(cache)] = 0.0
+    first = first_recomputable(cache)
+    if first:
+        score[:first] = torch.where(_backed_everywhere(cache, layers, first), score[:first], torch.zeros(()))
     k = min(ceil_fraction(fraction, quantized), max(room, default=0), int((score > 0).sum()))
     if k <= 0:
         return torch.zeros(0, dtype=torch.long)
     return torch.topk(score, k).indices.sort().values
 
 
+def _backed_everywhere(cache, layers: Sequence[int], end: int) -> torch.Tensor:
+    """``[end]`` bool: positions whose originals the backing tier holds in every one of ``layers``."""
+    held = torch.ones(end, dtype=torch.bool)
+    for l in layers:
+        backed = cache.layers[l].backed_positions().cpu()
+        mask = torch.zeros(end, dtype=torch.bool)
+        mask[backed[backed < end]] = True
+        held &= mask
+    return held
+
+
 @torch.no_grad()
 def recompute(model, cache, ids: Sequence[int], layers: Sequence[int], positions: torch.Tensor,
-              sliding_window: int | None) -> int:
+              sliding_window: int | None, *, wanted: Mapping[int, torch.Tensor] | None = None) -> int:
     """Recompute full-precision K/V of ``positions`` (absolute, ascending) by running ``model`` on those tokens
-    of ``ids`` at their positions against ``cache``, and write them into ``layers``. Returns the (layer,
-    position) pairs written. Positions before :func:`first_recomputable` are refused."""
+    of ``ids`` at their positions against ``cache``, and write them into ``layers`` (only the positions
+    ``wanted[layer]`` of a layer, when given). Returns the (layer, position) pairs written. Positions before
+    :func:`first_recomputable` are refused."""
     positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).sort().values
     if positions.numel() == 0:
         return 0
@@ -183,6 +203,8 @@ def recompute(model, cache, ids: Sequence[int], layers: Sequence[int], positions
     for l in layers:
         layer = cache.layers[l]
         keep = positions >= layer.offset
+        if wanted is not None:
+            keep &= torch.isin(positions, torch.as_tensor(wanted[l], dtype=torch.long).cpu())
         if not bool(keep.any()):
             continue
         k, v = view.captured(l)
@@ -190,3 +212,25 @@ def recompute(model, cache, ids: Sequence[int], layers: Sequence[int], positions
         cache.write_fp(l, positions[keep], k.index_select(2, idx), v.index_select(2, idx))
         written += int(keep.sum())
     return written
+
+
+@torch.no_grad()
+def restore_then_recompute(model, cache, ids: Sequence[int], layers: Sequence[int], positions: torch.Tensor,
+                           sliding_window: int | None) -> tuple[int, int]:
+    """Full-precision K/V for ``positions`` of ``layers``: the originals where ``cache``'s backing tier holds them,
+    restored first (so the recomputation then reads them), recomputed (:func:`recompute`) where it does not.
+    Missing positions before :func:`first_recomputable` are left quantized. Returns ``(restored, recomputed)``
+    (layer, position) pairs."""
+    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).sort().values
+    first = first_recomputable(cache)
+    restored, missing = 0, {}
+    for l in layers:
+        got = cache.restore(l, positions)
+        restored += int(got.numel())
+        rest = positions[~torch.isin(positions, got) & (positions >= max(first, cache.layers[l].offset))]
+        if rest.numel():
+            missing[l] = rest
+    if not missing:
+        return restored, 0
+    rest = torch.cat(list(missing.values())).unique()  # sorted
+    return restored, recompute(model, cache, ids, list(missing), rest, sliding_window, wanted=missing)

@@ -9,8 +9,11 @@ This is the mechanism; the rules live in :mod:`kvguard.control.policy`. While th
 it read. Every ``refresh_tokens`` tokens (one *monitoring step*) the session hands the window's evidence to
 :func:`~kvguard.control.policy.decide` and carries out its decisions in order:
 
-- compensation (light / heavy): recompute full-precision K/V at the selected positions of the chosen layers
-  (:mod:`kvguard.control.recompute`) and write them into the cache's overlay;
+- compensation (light / heavy): full-precision K/V at the selected positions of the chosen layers, written
+  into the cache's overlay: with a backing tier (``backing=BackingConfig(enabled=True)``,
+  :mod:`kvguard.backing`) the originals it still holds are restored bit for bit and only the rest is
+  recomputed (:mod:`kvguard.control.recompute`); ``restored_positions`` and ``recomputed_positions`` count
+  the two apart;
 - a full rollback: recompute the whole context at full precision into a fresh FP16 cache;
 - precision changes and ladder moves: new tokens are stored at the tiers the policy's state says.
 
@@ -28,12 +31,13 @@ from typing import Callable
 import torch
 
 from kvguard.architecture import Architecture
+from kvguard.backing import BackingConfig
 from kvguard.config import MonitorConfig
 from kvguard.control import decoding
 from kvguard.control.events import Counters, Event, StepRecord
 from kvguard.control.monitor import TokenMonitor, live_attention
 from kvguard.control.policy import Action, Decision, PolicyState, Window, decide
-from kvguard.control.recompute import recompute, select_positions
+from kvguard.control.recompute import restore_then_recompute, select_positions
 from kvguard.control.risk import RiskClassifier
 from kvguard.control.sampling import GREEDY, Sampler
 from kvguard.entropy import EntropyBaseline
@@ -56,13 +60,16 @@ class LiveSession:
         on_event: also call this with every event.
         on_step: called after every monitoring step with its :class:`~kvguard.control.events.StepRecord`.
         monitor: ``False`` decodes through the same cache with the loop off (for overhead measurements).
+        backing: keep the originals of quantized tokens so compensation restores them exactly
+            (:class:`~kvguard.backing.BackingConfig`; ``None``: recompute everything, as without it).
     """
 
     def __init__(self, model, plan: Plan, baseline: EntropyBaseline, *, scales: StaticScales | None = None,
                  classifier: RiskClassifier | None = None, config: MonitorConfig | None = None,
                  sequence_id: str = "0", events_path: str | Path | None = None,
                  on_event: Callable[[Event], None] | None = None,
-                 on_step: Callable[[StepRecord], None] | None = None, monitor: bool = True) -> None:
+                 on_step: Callable[[StepRecord], None] | None = None, monitor: bool = True,
+                 backing: BackingConfig | None = None) -> None:
         self.model = model
         self.arch = Architecture.from_config(model.config)
         plan.check(self.arch)
@@ -76,6 +83,7 @@ class LiveSession:
         self.on_event = on_event
         self.on_step = on_step
         self.enabled = monitor
+        self.backing = backing
         self.monitor = TokenMonitor(baseline, self.config, self.arch.num_layers,
                                     sliding_window=self.arch.sliding_window, sliding_layers=self.arch.sliding_layers,
                                     device=model.device)
@@ -98,7 +106,7 @@ class LiveSession:
 
     # ---------------------------------------------------------------- cache
     def _new_cache(self):
-        cache = self.plan.make_cache(self.model.config, self.scales)
+        cache = self.plan.make_cache(self.model.config, self.scales, self.backing)
         for layer in cache.layers:
             layer.track_error = self.enabled
         return cache
@@ -177,24 +185,26 @@ class LiveSession:
         c.triggers += step.trigger
         c.severe += step.severe
         c.acted_steps += step.acted
-        recomputed = c.recomputed_positions
+        recomputed, restored = c.recomputed_positions, c.restored_positions
         for decision in step.decisions:
             self._carry_out(decision, window, entropy)
         self._apply_precisions()
         if self.on_step is not None:
             self.on_step(StepRecord(c.steps, self.length - 1, window.drop, window.monitored, step.acted,
-                                    c.recomputed_positions - recomputed))
+                                    c.recomputed_positions - recomputed, c.restored_positions - restored))
 
     def _carry_out(self, decision: Decision, window: Window, entropy: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        positions = 0
+        positions, restored = 0, None
         c = self.counters
         if decision.action.recomputes:
             selected = select_positions(self.cache, self.monitor, decision.layers, self.length, decision.fraction,
                                         decision.cap)
             if selected.numel():
-                c.recomputed_positions += recompute(self.model, self.cache, self.ids, decision.layers, selected,
-                                                    self.arch.sliding_window)
+                restored, recomputed = restore_then_recompute(self.model, self.cache, self.ids, decision.layers,
+                                                              selected, self.arch.sliding_window)
+                c.restored_positions += restored
+                c.recomputed_positions += recomputed
             positions = int(selected.numel())
         elif decision.action is Action.ROLLBACK_FULL:
             self.rollback_full()
@@ -203,7 +213,7 @@ class LiveSession:
         ms = 1000 * (time.perf_counter() - t0)
         if decision.action.recomputes:
             c.recompute_ms += ms
-        self._event(decision, window, entropy, positions, ms)
+        self._event(decision, window, entropy, positions, ms, restored if self.cache.backing is not None else None)
 
     @torch.no_grad()
     def rollback_full(self) -> None:
@@ -224,7 +234,8 @@ class LiveSession:
                 self.cache.set_precision(l, want[0] if len(set(want)) == 1 else list(want))
 
     # ---------------------------------------------------------------- log and summary
-    def _event(self, decision: Decision, window: Window, entropy: torch.Tensor, positions: int, ms: float) -> None:
+    def _event(self, decision: Decision, window: Window, entropy: torch.Tensor, positions: int, ms: float,
+               restored: int | None = None) -> None:
         layers = decision.layers
         drop = [window.drop[l] for l in layers]
         baseline = [float(entropy[l]) / max(1e-6, 1 - d) if d < 1 else None for l, d in zip(layers, drop)]
@@ -235,7 +246,7 @@ class LiveSession:
             baseline=tuple(None if b is None else round(b, 5) for b in baseline),
             drop=tuple(round(d, 5) for d in drop),
             risk=None if window.risk is None else tuple(round(window.risk[l], 5) for l in layers),
-            positions=positions, ms=ms, previous_level=decision.previous_level,
+            positions=positions, ms=ms, restored=restored, previous_level=decision.previous_level,
             precision=None if decision.precision is None else tuple(p.value for p in decision.precision),
             cooldown_steps=decision.cooldown_steps, trigger_rate=decision.trigger_rate, steps=decision.steps)
         self.counters.count(decision.action)
@@ -253,7 +264,7 @@ class LiveSession:
         return c.acted_steps / c.steps if c.steps else 0.0
 
     def recompute_fraction(self) -> float:
-        """(layer, position) pairs now held at full precision because the loop recomputed them, over all
+        """(layer, position) pairs now held at full precision because the loop recomputed or restored them, over all
         (layer, position) pairs seen; a full rollback counts every pair it recomputed."""
         total = self.length * self.arch.num_layers
         if not total:
@@ -276,6 +287,8 @@ class LiveSession:
             "alarms": {"warning": c.warnings, "trigger": c.triggers, "severe": c.severe},
             "actions": c.actions_json(),
             "recomputed_positions": c.recomputed_positions,
+            "restored_positions": c.restored_positions,
+            "backing_bytes": self.cache.backing_bytes(),
             "recompute_fraction": self.recompute_fraction(),
             "recompute_ms": round(c.recompute_ms, 3),
             "level": self.level,
