@@ -548,7 +548,7 @@ def test_greedy_requests_return_what_kvguard_generate_prints(server, small_profi
     from kvguard import models
     from kvguard.cli import main
 
-    monkeypatch.setattr(models, "load", lambda name: smollm2)  # the command as it runs, on the model already loaded
+    monkeypatch.setattr(models, "load", lambda name, **kw: smollm2)  # the command as it runs, on the model already loaded
     prompt, n = "Write one sentence about the sea.", 12
     assert main(["generate", "--profile", str(small_profile_dir), "--prompt", prompt, "--max-new-tokens", str(n)]) == 0
     printed = capsys.readouterr().out.split("\n\n--- ")[0]
@@ -596,7 +596,7 @@ def test_a_profile_that_cannot_serve_stops_the_server_at_start(small_profile_dir
     def listen(*args, **kwargs):
         raise AssertionError("kvguard serve started listening with a profile that cannot serve")
 
-    monkeypatch.setattr(models, "load", lambda name: smollm2)  # the command as it runs, on the model already loaded
+    monkeypatch.setattr(models, "load", lambda name, **kw: smollm2)  # the command as it runs, on the model already loaded
     monkeypatch.setattr(uvicorn, "run", listen)
     for what, path in _bad_profiles(small_profile_dir, tmp_path).items():
         # --torch-threads: this process's own, which the engine would otherwise reset
