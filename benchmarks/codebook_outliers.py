@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from lowbit import print_table  # run as a script: benchmarks/ is on sys.path
 
 from kvguard import rotation
 from kvguard.quantizer import _MIN_SCALE, SCALE_DTYPE, Axis, QuantSpec
@@ -218,10 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                    "top1_agree": score.top1_agree}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| corpus | method | bytes / FP16 | ppl change | KL | top-1 |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['corpus']} | {r['method']} | {r['bytes_ratio']:.3f} | {r['ppl_delta_pct']:+.2f} % | "
-              f"{r['kl']:.5f} | {r['top1_agree']:.4f} |")
+    print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "tokens": args.tokens, "outliers": args.outliers, "rows": rows}, f, indent=1)

@@ -35,6 +35,14 @@ def _row(model, ids, name, reference, ref_nll) -> dict:
             "kl": score.kl, "top1_agree": score.top1_agree}
 
 
+def print_table(rows: list[dict]) -> None:
+    """The markdown table of scored rows (corpus, method, bytes, perplexity change, KL, top-1)."""
+    print("\n| corpus | method | bytes / FP16 | ppl change | KL | top-1 |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['corpus']} | {r['method']} | {r['bytes_ratio']:.3f} | {r['ppl_delta_pct']:+.2f} % | "
+              f"{r['kl']:.5f} | {r['top1_agree']:.4f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvguard import data, models
     from kvguard.architecture import Architecture
@@ -59,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             row = dict(corpus=corpus, **_row(model, ids, name, reference, fp.nll))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| corpus | method | bytes / FP16 | ppl change | KL | top-1 |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['corpus']} | {r['method']} | {r['bytes_ratio']:.3f} | {r['ppl_delta_pct']:+.2f} % | "
-              f"{r['kl']:.5f} | {r['top1_agree']:.4f} |")
+    print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "tokens": args.tokens, "rows": rows}, f, indent=1)
