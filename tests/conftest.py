@@ -60,3 +60,23 @@ def smollm2_4_layers(tmp_path_factory):
     AutoModelForCausalLM.from_pretrained(source, config=config).save_pretrained(out)
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_6_layers():
+    """Gemma 3 270M's first 6 decoder layers (5 sliding, 1 full) with the sliding window cut from 512 to 128
+    tokens, (model, tokenizer): real weights and text that run past a sliding window in a third of the tokens
+    and layers the whole model needs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvguard import models
+
+    layers = 6
+    source = models.resolve("gemma3-270m")
+    config = AutoConfig.from_pretrained(source)
+    config.num_hidden_layers = layers
+    config.layer_types = config.layer_types[:layers]
+    config.sliding_window = 128
+    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32)
+    return model.eval(), models.load_tokenizer(source)

@@ -1,6 +1,7 @@
 """``kvguard calibrate`` end to end on the real SmolLM2 (small settings), resume, and the profile's use."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -47,7 +48,12 @@ def test_profile_holds_everything_the_runtime_needs(calibrated, smollm2):
     assert p.plan.to_dict() == chosen.plan.to_dict()
 
 
-def test_resume_continues_after_the_last_finished_stage(calibrated, tmp_path, monkeypatch):
+def test_resume_continues_after_the_last_finished_stage(smollm2_4_layers, tmp_path, monkeypatch):
+    # Real SmolLM2 weights, its first 4 layers: the run is repeated (whole, interrupted, resumed).
+    def config(out, **kw):
+        return replace(_config(out, domains=("prose",), heldout_tokens=256, **kw), model=str(smollm2_4_layers))
+
+    whole = calibrate(config(tmp_path / "whole"), progress=False)
     out = tmp_path / "profile"
 
     def interrupted(*args, **kwargs):
@@ -56,22 +62,21 @@ def test_resume_continues_after_the_last_finished_stage(calibrated, tmp_path, mo
     with monkeypatch.context() as m:
         m.setattr(Searcher, "level2", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            calibrate(_config(out), progress=False)
+            calibrate(config(out), progress=False)
     assert not out.exists()
     partial = tmp_path / "profile.partial"
     assert sorted(f.name for f in partial.glob("*.json")) == ["latency.json", "level1.json", "sensitivity.json", "statistics.json"]
     # A different configuration cannot resume that run.
     with pytest.raises(ValueError, match="different settings"):
-        calibrate(_config(out, seed=1), resume=True, progress=False)
+        calibrate(config(out, seed=1), resume=True, progress=False)
 
-    resumed = calibrate(_config(out), resume=True, progress=False)
+    resumed = calibrate(config(out), resume=True, progress=False)
     assert resumed.meta.record["run"]["resumed_stages"] == ["statistics", "latency", "level1", "sensitivity"]
     assert not partial.exists()
     # Same seed, same profile: the plan and every candidate's measured quality are identical.
-    assert resumed.meta.plan.to_dict() == calibrated.meta.plan.to_dict()
-    assert [(c.name, c.quality) for c in resumed.meta.search_log] == \
-           [(c.name, c.quality) for c in calibrated.meta.search_log]
-    assert torch.equal(resumed.tensors["stats.batch.value.std"], calibrated.tensors["stats.batch.value.std"])
+    assert resumed.meta.plan.to_dict() == whole.meta.plan.to_dict()
+    assert [(c.name, c.quality) for c in resumed.meta.search_log] == [(c.name, c.quality) for c in whole.meta.search_log]
+    assert torch.equal(resumed.tensors["stats.batch.value.std"], whole.tensors["stats.batch.value.std"])
 
 
 def test_eval_and_report_use_the_profile(calibrated, tmp_path, capsys):
