@@ -1,14 +1,44 @@
 import pytest
+import torch
 
 from kvguard.evaluation import speed
 
 
+class _Counting:
+    """A decoder that prefers token 1 and counts its steps; every third step 'compensates' for 0.5 s."""
+
+    def __init__(self) -> None:
+        self.steps, self.compensation = 0, 0.0
+
+    def prefill(self, ids):
+        return torch.tensor([0.0, 1.0])
+
+    def step(self, token):
+        self.steps += 1
+        self.compensation += 0.5 if self.steps % 3 == 0 else 0.0
+        return torch.tensor([0.0, 1.0])
+
+
+def test_blocks_are_consecutive_runs_of_new_tokens_steps_with_their_compensation():
+    decoder = _Counting()
+    blocks = speed.time_decode(decoder, torch.tensor([5, 6]), 4, rounds=3, compensation_s=lambda: decoder.compensation)
+    # 3 blocks of 4 steps: 12 steps fed back, the 13th token only drawn.
+    assert decoder.steps == 12 and len(blocks) == 3
+    # Steps 3, 6, 9, 12 compensate: block 1 holds step 3, block 2 step 6 (steps 5-8), block 3 steps 9 and 12.
+    assert [c for _, c in blocks] == [0.5, 0.5, 1.0]
+    row = speed._row("kvguard-live", 2, 4, [(2.0, 0.5), (1.0, 0.0), (4.0, 3.5)], 10, 40, acted_steps=3)
+    assert row["tok_s"] == 4.0 and row["all_blocks_tok_s"] == 12 / 7 and row["kv_bytes_ratio"] == 0.25
+    assert row["tok_s_watching"] == 8.0 and row["compensation_s"] == 4.0
+    assert "tok_s_watching" not in speed._row("int4", 2, 4, [(1.0, 0.0)], 10, 40)
+
+
 @pytest.mark.slow
 def test_speed_rows_side_by_side():
-    rows = speed.run("smollm2-135m", ["int4"], [128], new_tokens=4, progress=False)
+    rows = speed.run("smollm2-135m", ["int4"], [128], new_tokens=4, progress=False, rounds=2)
     assert [r["method"] for r in rows] == ["fp16", "int4"]
     fp16, int4 = rows
     assert fp16["tok_s_ratio"] == 1.0 and fp16["peak_rss_ratio"] == 1.0
+    assert len(int4["block_tok_s"]) == 2 and int4["tok_s"] == max(int4["block_tok_s"])
     assert int4["tok_s"] > 0 and int4["peak_rss_mb"] > 100 and int4["kv_bytes_ratio"] < fp16["kv_bytes_ratio"]
     assert "| 128 | int4 |" in speed.markdown_table(rows)
 

@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
                    help="speed: context lengths; capacity: the contexts the largest batch is given at "
                         "(default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64, help="speed: decode steps timed (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="speed: blocks of --new-tokens steps timed one after another per method; the fastest "
+                        "block counts, the slower ones are the machine's noise (default: %(default)s)")
     p.add_argument("--memory-budget", type=float, default=4.0,
                    help="capacity: process memory budget in GiB (default: %(default)s)")
     p.add_argument("--batch", type=int, default=8, help="capacity: batch of the peak-RSS run (default: %(default)s)")
@@ -126,11 +129,14 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 def _speed(args, names: list[str]) -> int:
     from kvguard.evaluation import harness, speed
 
+    if args.rounds < 1:
+        raise CommandError(f"--rounds must be at least 1, got {args.rounds}")
     rows = speed.run(args.model, names, csv(args.contexts, int), args.new_tokens, profile_path=args.profile,
-                     device=args.device)
+                     device=args.device, rounds=args.rounds)
     print(speed.markdown_table(rows))
     if args.json:
-        harness.write_json(args.json, {"model": args.model, "task": "speed", "new_tokens": args.new_tokens, "results": rows})
+        harness.write_json(args.json, {"model": args.model, "task": "speed", "new_tokens": args.new_tokens,
+                                       "rounds": args.rounds, "results": rows})
     return 0
 
 
