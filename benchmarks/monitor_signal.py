@@ -47,7 +47,7 @@ SIGNALS = (
     ("drop mean", "entropy drop (sequence level), mean of monitored layers"),
     ("drop max", "entropy drop (sequence level), max of monitored layers"),
     ("static drop", "entropy drop (calibrated baseline only), mean of all layers"),
-    ("|drop|", "entropy deviation either way, mean of all layers"),
+    ("either way", "entropy deviation either way, mean of all layers"),  # no "|" (a Markdown cell)
     ("K error", "attention-weighted key error, mean of layers"),
     ("V error", "attention-weighted value error, mean of layers"),
     ("risk", "risk classifier, max of layers"),
