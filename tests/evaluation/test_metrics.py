@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvguard.evaluation.metrics import TokenMetrics
+from kvguard.evaluation.metrics import TokenMetrics, alarm_quality
 
 
 def test_hand_computed_nll_kl_top1():
@@ -32,3 +32,24 @@ def test_metrics_without_reference_and_shape_errors():
     assert m.ppl == pytest.approx(8.0) and m.kl is None and m.top1_agree is None
     with pytest.raises(ValueError, match="predictions"):
         m.add(torch.zeros(3, 8), torch.zeros(4, dtype=torch.long))
+
+
+def test_alarm_quality_hand_counted():
+    # Windows:      0      1      2     3      4      5
+    alarmed = torch.tensor([True, True, False, True, False, False])
+    bad = torch.tensor([True, False, True, True, False, False])
+    q = alarm_quality(alarmed, bad)
+    assert (q.windows, q.alarmed, q.bad, q.hits) == (6, 3, 3, 2)
+    assert q.precision == pytest.approx(2 / 3) and q.recall == pytest.approx(2 / 3)
+    assert q.alarm_rate == pytest.approx(0.5)
+
+
+def test_alarm_quality_undefined_ratios_are_none_not_zero():
+    never = alarm_quality(torch.zeros(4, dtype=torch.bool), torch.tensor([True, False, False, False]))
+    assert never.precision is None and never.recall == 0.0 and never.alarm_rate == 0.0
+    clean = alarm_quality(torch.tensor([True, False]), torch.zeros(2, dtype=torch.bool))
+    assert clean.recall is None and clean.precision == 0.0 and clean.alarm_rate == 0.5
+    empty = alarm_quality(torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool))
+    assert (empty.precision, empty.recall, empty.alarm_rate) == (None, None, None)
+    with pytest.raises(ValueError, match="shape"):
+        alarm_quality(torch.zeros(3, dtype=torch.bool), torch.zeros(2, dtype=torch.bool))

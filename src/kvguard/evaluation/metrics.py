@@ -5,12 +5,14 @@
   ``p_ref`` (the FP16 cache on the same tokens), in nats.
 - ``top1_agree``: fraction of positions where the method's arg-max equals the reference's.
 
-and :func:`roc_auc`, how well a score separates two classes (the monitor's signals against real error).
+and :func:`roc_auc`, how well a score separates two classes (the monitor's signals against real error), and
+:func:`alarm_quality`, precision and recall of yes/no alarms against the windows that really were bad.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -73,3 +75,36 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     avg = ends - (counts.double() - 1) / 2
     ranks[order] = avg[inverse]
     return float((ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+@dataclass(frozen=True)
+class AlarmQuality:
+    """How yes/no alarms match the windows that were bad.
+
+    Attributes:
+        windows, alarmed, bad, hits: window counts: all, alarmed, bad, and both alarmed and bad.
+        precision: bad among alarmed (``hits / alarmed``); ``None`` when nothing was alarmed.
+        recall: alarmed among bad (``hits / bad``); ``None`` when nothing was bad.
+        alarm_rate: alarmed among all windows; ``None`` without windows.
+    """
+
+    windows: int
+    alarmed: int
+    bad: int
+    hits: int
+    precision: float | None
+    recall: float | None
+    alarm_rate: float | None
+
+
+def alarm_quality(alarmed: torch.Tensor, bad: torch.Tensor) -> AlarmQuality:
+    """Precision, recall and rate of the boolean ``alarmed`` against the boolean ``bad`` (same shape, one entry
+    per window); undefined ratios are ``None`` rather than 0, so an empty class cannot pass for a perfect
+    or a useless alarm."""
+    alarmed, bad = alarmed.bool(), bad.bool()
+    if alarmed.shape != bad.shape:
+        raise ValueError(f"alarmed shape {tuple(alarmed.shape)} != bad shape {tuple(bad.shape)}")
+    n, fired, positive = alarmed.numel(), int(alarmed.sum()), int(bad.sum())
+    hits = int((alarmed & bad).sum())
+    return AlarmQuality(n, fired, positive, hits, hits / fired if fired else None,
+                        hits / positive if positive else None, fired / n if n else None)
