@@ -10,7 +10,8 @@ text, then ``rounds`` consecutive blocks of ``new_tokens`` greedy steps through
 :func:`kvguard.control.decoding.generate`, each block timed from its first token to its last, and the fastest
 block counts (``kvguard eval --rounds``, 3 by default: this is a shared machine, and a block another process
 interrupted measures that process, not the cache). The feedback loop's rows add ``tok_s_watching``: the same
-with the time its compensation took left out (the loop watching, nothing acting). llama.cpp's own caches (``llamacpp-*``) run that loop over
+with the time its compensation took left out (the loop watching, nothing acting). llama.cpp's own caches
+(``llamacpp-*``) run that loop over
 :func:`kvguard.evaluation.llamacpp.decoder` on the embedded model's GGUF, in a process that never loads the
 transformers model (so its peak RSS is llama.cpp's alone); their rows also carry ``tok_s_vs_reference``,
 the ratio to ``llamacpp-f16`` in the same run, the llama.cpp counterpart of kvguard's ``vs fp16``.
