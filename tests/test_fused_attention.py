@@ -63,6 +63,31 @@ def test_matches_reference_per_precision(precision, rotate):
     _check(layer, gen)
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("dim,group,rep,tq", [(12, 6, 3, 3), (24, 8, 3, 3), (40, 8, 1, 1)])
+def test_kernel_paths_for_every_shape(precision, dim, group, rep, tq):
+    """The vector paths (eight channels at a time, four query rows per block) and the scalar ones (a head_dim
+    that is not a multiple of eight, groups of six channels, row blocks with a remainder) agree with the
+    reference."""
+    if precision == "int3" and dim % 8:
+        pytest.skip("int3 packs eight codes per word: head_dim must be a multiple of 8")
+    gen = torch.Generator().manual_seed(dim + rep)
+    layer = KVGuardLayer(precision, CacheConfig(residual=4, sinks=1, group_size=group, fp_dtype="float16"))
+    layer.update(torch.randn(B, H_KV, 300, dim, generator=gen) * 2 + 1, torch.randn(B, H_KV, 300, dim, generator=gen))
+    q = torch.randn(B, H_KV * rep, tq, dim, generator=gen)
+    k, v = torch.randn(B, H_KV, tq, dim, generator=gen), torch.randn(B, H_KV, tq, dim, generator=gen)
+    past_k, past_v = layer.materialize(torch.float32)
+    keys = attention.expand_kv(torch.cat([past_k, k], dim=-2), rep)
+    values = attention.expand_kv(torch.cat([past_v, v], dim=-2), rep)
+    n = keys.shape[-2]
+    scores = (q @ keys.transpose(-1, -2) * dim ** -0.5).masked_fill(~torch.ones(tq, n, dtype=torch.bool).tril(n - tq),
+                                                                    float("-inf"))
+    expected = torch.softmax(scores, dim=-1) @ values
+    got = fused_attention.attend(q, layer.stored_read(), k, v, None, scaling=dim ** -0.5)
+    assert sum(r.length for r in layer._runs) >= 256  # more than one token block of the kernels
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_static_int8_scales_and_clips():
     gen = torch.Generator().manual_seed(2)
     layer = KVGuardLayer("int8", CONFIG)

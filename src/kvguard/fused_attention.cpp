@@ -26,6 +26,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -71,36 +76,121 @@ Scales scales_of(const torch::Tensor& scale, const torch::Tensor& zero, int64_t 
   return s;
 }
 
-// One token's codes as floats: out[d] = code d.
-inline void unpack_row(const uint8_t* src, int bits, int64_t dim, float* out) {
-  switch (bits) {
-    case 8: {
-      const int8_t* s = reinterpret_cast<const int8_t*>(src);
-      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(s[d]);
-      break;
+// One token's codes, dequantized: out[d] = code d * scale[d] + zero[d], in float32 as
+// QuantizedTensor.dequantize computes it (a product, then a sum; zero = 0 for symmetric INT8).
+//
+// The unpacking is what a low-bit read costs (a 2-bit row is 4 codes per byte to shift out one by one): with
+// AVX2, eight codes come from one little-endian word (INT4: 4 bytes, INT3: 3, INT2: 2) broadcast to eight
+// lanes and shifted right by 0, b, 2b, ... at once, so every width costs the same few instructions per eight
+// codes. Without AVX2, or for a tail shorter than eight, the scalar loop below does the same arithmetic.
+template <int BITS>
+inline uint32_t code_word(const uint8_t* src) {
+  uint32_t word = 0;
+  for (int i = 0; i < BITS; ++i) word |= static_cast<uint32_t>(src[i]) << (8 * i);  // BITS bytes per 8 codes
+  return word;
+}
+
+template <int BITS>
+inline int code_at(const uint8_t* src, int64_t d) {
+  if (BITS == 8) return static_cast<int8_t>(src[d]);
+  const uint32_t word = code_word<BITS>(src + (d / 8) * BITS);
+  return static_cast<int>((word >> (BITS * (d % 8))) & ((1u << BITS) - 1));
+}
+
+#if defined(__AVX2__)
+// Codes d .. d + 7 of one token, as floats.
+template <int BITS>
+inline __m256 codes8(const uint8_t* src, int64_t d) {
+  __m256i codes;
+  if (BITS == 8) {
+    codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+  } else {
+    const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+    const __m256i mask = _mm256_set1_epi32(static_cast<int>((1u << (BITS % 8)) - 1));
+    const int word = static_cast<int>(code_word<BITS>(src + (d / 8) * BITS));
+    codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
+  }
+  return _mm256_cvtepi32_ps(codes);
+}
+
+// Channels d .. d + 7 of one token, dequantized.
+template <int BITS>
+inline __m256 dequantize8(const uint8_t* src, int64_t d, const float* scale, const float* zero) {
+  const __m256 product = _mm256_mul_ps(codes8<BITS>(src, d), _mm256_loadu_ps(scale + d));
+  return _mm256_add_ps(product, _mm256_loadu_ps(zero + d));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+#endif
+
+template <int BITS>
+inline void dequantize_codes(const uint8_t* src, int64_t dim, const float* scale, const float* zero, float* out) {
+  int64_t d = 0;
+#if defined(__AVX2__)
+  for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(out + d, dequantize8<BITS>(src, d, scale, zero));
+#endif
+  for (; d < dim; ++d) out[d] = static_cast<float>(code_at<BITS>(src, d)) * scale[d] + zero[d];
+}
+
+// out[r * stride] = q[r] . (one token's dequantized key), r < rows. q holds rows rounded up to a multiple of
+// kRowBlock (zero rows past `rows`), so four dot products share each dequantized chunk of eight channels and
+// the key never goes through memory.
+constexpr int64_t kRowBlock = 4;
+
+template <int BITS>
+inline void key_dots(const uint8_t* src, int64_t dim, const float* scale, const float* zero, const float* q,
+                     int64_t rows, float* out, int64_t stride, float* key) {
+#if defined(__AVX2__)
+  if (dim % 8 == 0) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const float* q0 = q + r0 * dim;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 k = dequantize8<BITS>(src, d, scale, zero);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + dim + d), k, acc1);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * dim + d), k, acc2);
+        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * dim + d), k, acc3);
+      }
+      const float sums[kRowBlock] = {horizontal_sum(acc0), horizontal_sum(acc1), horizontal_sum(acc2),
+                                     horizontal_sum(acc3)};
+      for (int64_t j = 0; j < kRowBlock && r0 + j < rows; ++j) out[(r0 + j) * stride] = sums[j];
     }
-    case 4:
-      for (int64_t i = 0; i < dim / 2; ++i) {
-        const uint8_t b = src[i];
-        out[2 * i] = static_cast<float>(b & 0xF);
-        out[2 * i + 1] = static_cast<float>(b >> 4);
-      }
-      break;
-    case 2:
-      for (int64_t i = 0; i < dim / 4; ++i) {
-        const uint8_t b = src[i];
-        out[4 * i] = static_cast<float>(b & 0x3);
-        out[4 * i + 1] = static_cast<float>((b >> 2) & 0x3);
-        out[4 * i + 2] = static_cast<float>((b >> 4) & 0x3);
-        out[4 * i + 3] = static_cast<float>(b >> 6);
-      }
-      break;
-    default:  // 3: eight codes per 24-bit little-endian word
-      for (int64_t w = 0; w < dim / 8; ++w) {
-        const uint32_t word = static_cast<uint32_t>(src[3 * w]) | (static_cast<uint32_t>(src[3 * w + 1]) << 8) |
-                              (static_cast<uint32_t>(src[3 * w + 2]) << 16);
-        for (int j = 0; j < 8; ++j) out[8 * w + j] = static_cast<float>((word >> (3 * j)) & 0x7);
-      }
+    return;
+  }
+#endif
+  dequantize_codes<BITS>(src, dim, scale, zero, key);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + r * dim;
+    float acc = 0.0f;
+    // A float sum is only vectorized when the compiler may reorder it: allow that for this dot product.
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < dim; ++d) acc += qr[d] * key[d];
+    out[r * stride] = acc;
+  }
+}
+
+inline void key_dots(const uint8_t* src, int bits, int64_t dim, const float* scale, const float* zero, const float* q,
+                     int64_t rows, float* out, int64_t stride, float* key) {
+  switch (bits) {
+    case 8: return key_dots<8>(src, dim, scale, zero, q, rows, out, stride, key);
+    case 4: return key_dots<4>(src, dim, scale, zero, q, rows, out, stride, key);
+    case 3: return key_dots<3>(src, dim, scale, zero, q, rows, out, stride, key);
+    default: return key_dots<2>(src, dim, scale, zero, q, rows, out, stride, key);
+  }
+}
+
+inline void dequantize_codes(const uint8_t* src, int bits, int64_t dim, const float* scale, const float* zero,
+                             float* out) {
+  switch (bits) {
+    case 8: return dequantize_codes<8>(src, dim, scale, zero, out);
+    case 4: return dequantize_codes<4>(src, dim, scale, zero, out);
+    case 3: return dequantize_codes<3>(src, dim, scale, zero, out);
+    default: return dequantize_codes<2>(src, dim, scale, zero, out);
   }
 }
 
@@ -117,11 +207,6 @@ inline void load_row(const Scales& s, int64_t b, int64_t h, int64_t row, int64_t
       zero[d] = zv;
     }
   }
-}
-
-// code * s + z, in float32 as QuantizedTensor.dequantize computes it (z = 0 for symmetric INT8).
-inline void dequantize_row(const float* code, const float* scale, const float* zero, int64_t dim, float* out) {
-  for (int64_t d = 0; d < dim; ++d) out[d] = code[d] * scale[d] + zero[d];
 }
 
 // Where a part's rows live in a layer-wide [B, H_kv, R, N] float32 tensor: its heads through a head map, its
@@ -159,6 +244,60 @@ void check_dims(int64_t dim, int bits) {
   TORCH_CHECK(dim % per_word == 0, "head_dim ", dim, " must be a multiple of ", per_word, " for ", bits, "-bit codes");
 }
 
+// value_accumulate's inner loop for values grouped per token (one scale per token and group of a multiple of
+// eight channels), with AVX2: for each block of four query rows and each eight channels, the four sums stay
+// in registers across the block's tokens and the token's scale is one broadcast, so nothing is expanded or
+// stored per token. out: [R, D], written (not added to). Returns false where it does not apply.
+template <int BITS>
+bool values_per_token(const Codes& codes, const Scales& s, const Target& src, int64_t b, int64_t h, int64_t t0,
+                      int64_t t1, int64_t R, int64_t D, float* out) {
+#if defined(__AVX2__)
+  if (D % 8 != 0 || s.sr == 0 || s.tokens_per_row != 1 || s.channels_per_entry % 8 != 0) return false;
+  const int64_t n = t1 - t0, entries = s.entries;
+  std::vector<float> scale(n * entries), zero(n * entries, 0.0f), weight(kRowBlock * n);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t e = 0; e < entries; ++e) {
+      scale[t * entries + e] = static_cast<float>(s.scale[b * s.sb + h * s.sh + (t0 + t) * s.sr + e]);
+      if (s.zero) zero[t * entries + e] = static_cast<float>(s.zero[b * s.zb + h * s.zh + (t0 + t) * s.zr + e]);
+    }
+  }
+  const float* ph = src.row(b, h);
+  const uint8_t* base = codes.data + b * codes.sb + h * codes.sh;
+  for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+    for (int64_t j = 0; j < kRowBlock; ++j)  // the block's weights, zero for rows past R
+      for (int64_t t = 0; t < n; ++t) weight[j * n + t] = r0 + j < R ? ph[(r0 + j) * src.sr + t0 + t] : 0.0f;
+    for (int64_t d = 0; d < D; d += 8) {
+      const int64_t e = d / s.channels_per_entry;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 product = _mm256_mul_ps(codes8<BITS>(base + (t0 + t) * codes.st, d),
+                                             _mm256_set1_ps(scale[t * entries + e]));
+        const __m256 v = _mm256_add_ps(product, _mm256_set1_ps(zero[t * entries + e]));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(weight[t]), v, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(weight[n + t]), v, acc1);
+        acc2 = _mm256_fmadd_ps(_mm256_set1_ps(weight[2 * n + t]), v, acc2);
+        acc3 = _mm256_fmadd_ps(_mm256_set1_ps(weight[3 * n + t]), v, acc3);
+      }
+      const __m256 sums[kRowBlock] = {acc0, acc1, acc2, acc3};
+      for (int64_t j = 0; j < kRowBlock && r0 + j < R; ++j) _mm256_storeu_ps(out + (r0 + j) * D + d, sums[j]);
+    }
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool values_per_token(const Codes& codes, const Scales& s, const Target& src, int64_t b, int64_t h, int64_t t0,
+                      int64_t t1, int64_t R, int64_t D, float* out) {
+  switch (codes.bits) {
+    case 8: return values_per_token<8>(codes, s, src, b, h, t0, t1, R, D, out);
+    case 4: return values_per_token<4>(codes, s, src, b, h, t0, t1, R, D, out);
+    case 3: return values_per_token<3>(codes, s, src, b, h, t0, t1, R, D, out);
+    default: return values_per_token<2>(codes, s, src, b, h, t0, t1, R, D, out);
+  }
+}
+
 }  // namespace
 
 void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& heads, const torch::Tensor& q,
@@ -172,12 +311,14 @@ void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& head
   const Target dst = target_of(scores, heads, column, B, H, R, T);
   const float* qp = q.data_ptr<float>();
   const int64_t blocks = (T + kTokenBlock - 1) / kTokenBlock;
+  const int64_t padded_rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-    float code[kMaxDim], sc[kMaxDim], zr[kMaxDim], key[kMaxDim];
+    float sc[kMaxDim], zr[kMaxDim], key[kMaxDim];
+    std::vector<float> qpad(padded_rows * D, 0.0f);  // the head's query rows, zero rows up to padded_rows
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, b = bh / H, h = bh % H;
       const int64_t t0 = (task % blocks) * kTokenBlock, t1 = std::min(T, t0 + kTokenBlock);
-      const float* qh = qp + bh * R * D;
+      std::copy(qp + bh * R * D, qp + (bh + 1) * R * D, qpad.begin());
       float* oh = dst.row(b, h);
       int64_t loaded = -1;
       for (int64_t t = t0; t < t1; ++t) {
@@ -186,16 +327,8 @@ void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& head
           load_row(s, b, h, row, D, sc, zr);
           loaded = row;
         }
-        unpack_row(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, code);
-        dequantize_row(code, sc, zr, D, key);
-        for (int64_t r = 0; r < R; ++r) {
-          const float* qr = qh + r * D;
-          float acc = 0.0f;
-          // A float sum is only vectorized when the compiler may reorder it: allow that for this dot product.
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < D; ++d) acc += qr[d] * key[d];
-          oh[r * dst.sr + t] = acc;
-        }
+        key_dots(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, qpad.data(), R,
+                 oh + t, dst.sr, key);
       }
     }
   });
@@ -215,12 +348,13 @@ torch::Tensor value_accumulate(const torch::Tensor& p, int64_t column, const tor
   auto partial = torch::zeros({B * H, blocks, R, D}, p.options());
   float* acc = partial.data_ptr<float>();
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-    float code[kMaxDim], sc[kMaxDim], zr[kMaxDim], value[kMaxDim];
+    float sc[kMaxDim], zr[kMaxDim], value[kMaxDim];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, b = bh / H, h = bh % H;
       const int64_t t0 = (task % blocks) * kTokenBlock, t1 = std::min(T, t0 + kTokenBlock);
-      const float* ph = src.row(b, h);
       float* oh = acc + task * R * D;
+      if (values_per_token(codes, s, src, b, h, t0, t1, R, D, oh)) continue;
+      const float* ph = src.row(b, h);
       int64_t loaded = -1;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t row = s.sr == 0 ? 0 : t / s.tokens_per_row;
@@ -228,8 +362,7 @@ torch::Tensor value_accumulate(const torch::Tensor& p, int64_t column, const tor
           load_row(s, b, h, row, D, sc, zr);
           loaded = row;
         }
-        unpack_row(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, code);
-        dequantize_row(code, sc, zr, D, value);
+        dequantize_codes(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, value);
         for (int64_t r = 0; r < R; ++r) {
           const float w = ph[r * src.sr + t];
           float* orow = oh + r * D;
