@@ -66,6 +66,33 @@ def test_llamacpp_rows_follow_their_reference_and_carry_its_ratio(monkeypatch):
     assert "llamacpp-q4_0 / llamacpp-f16 decode speed at 64 tokens: 0.75" in speed.markdown_table(rows)
 
 
+def test_passes_run_the_whole_list_in_turn_and_keep_the_fastest_block(monkeypatch):
+    import json
+    import subprocess
+
+    blocks = {"fp16": [[10.0, 12.0], [8.0, 9.0]], "kvguard-live": [[6.0, 11.0], [12.0, 4.0]]}  # tok/s per pass
+    asked = []
+
+    def fake_run(cmd, **kwargs):
+        name = cmd[cmd.index("--method") + 1]
+        turn = sum(1 for n in asked if n == name)
+        asked.append(name)
+        row = {"method": name, "context": 64, "new_tokens": 4, "tok_s": max(blocks[name][turn]),
+               "block_tok_s": blocks[name][turn], "peak_rss_mb": 100.0 + turn, "kv_bytes": 1, "kv_bytes_ratio": 1.0}
+        if name == "kvguard-live":
+            row.update(tok_s_watching=[11.5, 13.0][turn], compensation_s=0.5, monitoring_steps=1, acted_steps=turn)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(row) + "\n", "")
+
+    monkeypatch.setattr(speed.subprocess, "run", fake_run)
+    fp16, live = speed.run("smollm2-135m", ["kvguard-live"], [64], 4, progress=False, passes=2)
+    assert asked == ["fp16", "kvguard-live", "fp16", "kvguard-live"]  # the list in turn, not one method twice
+    assert fp16["block_tok_s"] == [10.0, 12.0, 8.0, 9.0] and fp16["tok_s"] == 12.0 and fp16["passes"] == 2
+    assert fp16["all_blocks_tok_s"] == pytest.approx(4 * 4 / sum(4 / b for b in [10.0, 12.0, 8.0, 9.0]))
+    assert live["tok_s"] == 12.0 and live["tok_s_ratio"] == 1.0 and live["peak_rss_mb"] == 101.0
+    assert live["tok_s_watching"] == 13.0 and live["tok_s_watching_ratio"] == pytest.approx(13.0 / 12.0)
+    assert live["compensation_s"] == 1.0 and live["acted_steps"] == 1 and live["monitoring_steps"] == 2
+
+
 @pytest.mark.slow
 def test_llamacpp_decode_is_timed_on_the_gguf():
     pytest.importorskip("llama_cpp")

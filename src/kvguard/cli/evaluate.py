@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="speed: blocks of --new-tokens steps timed one after another per method; the fastest "
                         "block counts, the slower ones are the machine's noise (default: %(default)s)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="speed: times the whole list of methods runs, in turn, each method in a fresh process "
+                        "per pass; each method's fastest block over all passes counts (default: %(default)s)")
     p.add_argument("--memory-budget", type=float, default=4.0,
                    help="capacity: process memory budget in GiB (default: %(default)s)")
     p.add_argument("--batch", type=int, default=8, help="capacity: batch of the peak-RSS run (default: %(default)s)")
@@ -129,14 +132,15 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 def _speed(args, names: list[str]) -> int:
     from kvguard.evaluation import harness, speed
 
-    if args.rounds < 1:
-        raise CommandError(f"--rounds must be at least 1, got {args.rounds}")
+    for flag, value in (("--rounds", args.rounds), ("--passes", args.passes)):
+        if value < 1:
+            raise CommandError(f"{flag} must be at least 1, got {value}")
     rows = speed.run(args.model, names, csv(args.contexts, int), args.new_tokens, profile_path=args.profile,
-                     device=args.device, rounds=args.rounds)
+                     device=args.device, rounds=args.rounds, passes=args.passes)
     print(speed.markdown_table(rows))
     if args.json:
         harness.write_json(args.json, {"model": args.model, "task": "speed", "new_tokens": args.new_tokens,
-                                       "rounds": args.rounds, "results": rows})
+                                       "rounds": args.rounds, "passes": args.passes, "results": rows})
     return 0
 
 

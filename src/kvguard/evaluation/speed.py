@@ -9,7 +9,8 @@ Every method is timed the same way, by :func:`time_decode`: prefill the same ``c
 text, then ``rounds`` consecutive blocks of ``new_tokens`` greedy steps through
 :func:`kvguard.control.decoding.generate`, each block timed from its first token to its last, and the fastest
 block counts (``kvguard eval --rounds``, 3 by default: this is a shared machine, and a block another process
-interrupted measures that process, not the cache). The feedback loop's rows add ``tok_s_watching``: the same
+interrupted measures that process, not the cache). ``kvguard eval --passes`` runs the whole list of methods that
+many times in turn, since the machine's speed also drifts from one process to the next. The feedback loop's rows add ``tok_s_watching``: the same
 with the time its compensation took left out (the loop watching, nothing acting). llama.cpp's own caches
 (``llamacpp-*``) run that loop over
 :func:`kvguard.evaluation.llamacpp.decoder` on the embedded model's GGUF, in a process that never loads the
@@ -125,10 +126,45 @@ def _row(method_name: str, context: int, new_tokens: int, blocks: list[tuple[flo
     return row
 
 
+def _measure_in_process(model_name: str, name: str, context: int, new_tokens: int, profile_path: str | None,
+                        device: str, rounds: int) -> dict:
+    """One (method, context) measurement in a fresh Python process: its row, or an error row."""
+    cmd = [sys.executable, "-m", "kvguard.evaluation.speed", "--model", model_name, "--method", name,
+           "--context", str(context), "--new-tokens", str(new_tokens), "--device", device, "--rounds", str(rounds)]
+    cmd += ["--profile", str(profile_path)] if profile_path else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        lines = (proc.stderr.strip() or "no output").splitlines()
+        return {"method": name, "context": context, "error": lines[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def merge_passes(rows: list[dict]) -> dict:
+    """One method's rows from several passes as one row: every pass's blocks, the fastest block's ``tok_s``
+    (and ``tok_s_watching``), the highest peak RSS, the compensation and step counts summed."""
+    errors = [r for r in rows if "error" in r]
+    if errors or len(rows) == 1:
+        return (errors or rows)[0]
+    row = dict(rows[0])
+    new_tokens = row["new_tokens"]
+    blocks = [b for r in rows for b in r["block_tok_s"]]
+    row.update(tok_s=max(blocks), block_tok_s=blocks, passes=len(rows),
+               all_blocks_tok_s=len(blocks) * new_tokens / sum(new_tokens / b for b in blocks),
+               peak_rss_mb=max(r["peak_rss_mb"] for r in rows))
+    if "tok_s_watching" in row:
+        row["tok_s_watching"] = max(r["tok_s_watching"] for r in rows)
+        for key in ("compensation_s", "monitoring_steps", "acted_steps"):
+            row[key] = sum(r[key] for r in rows)
+    return row
+
+
 def run(model_name: str, method_names: list[str], contexts: list[int], new_tokens: int, progress: bool = True,
-        profile_path: str | None = None, device: str = "cpu", rounds: int = 1) -> list[dict]:
-    """One subprocess per (context, method); adds ``tok_s_ratio`` and ``peak_rss_ratio`` against ``fp16``, and
-    for llama.cpp's caches ``tok_s_vs_reference`` against ``llamacpp-f16`` (run first among them)."""
+        profile_path: str | None = None, device: str = "cpu", rounds: int = 1, passes: int = 1) -> list[dict]:
+    """One subprocess per (pass, context, method); adds ``tok_s_ratio`` and ``peak_rss_ratio`` against
+    ``fp16``, and for llama.cpp's caches ``tok_s_vs_reference`` against ``llamacpp-f16`` (run first among
+    them). With ``passes`` > 1 the whole list of methods runs that many times in turn, so a machine whose speed
+    drifts from one process to the next (it does, idle or not) gives every method its fast and slow turns;
+    :func:`merge_passes` keeps each method's fastest block."""
     from kvguard.device import name as device_name
     from kvguard.evaluation import llamacpp, methods
 
@@ -138,30 +174,30 @@ def run(model_name: str, method_names: list[str], contexts: list[int], new_token
     device = device_name(device)  # auto resolved once here: every subprocess runs on the same device
     rows = []
     for context in contexts:
-        base, reference = None, None
-        for name in names:
-            if progress:
-                print(f"[kvguard eval] speed: {name} at {context} tokens", file=sys.stderr, flush=True)
-            cmd = [sys.executable, "-m", "kvguard.evaluation.speed", "--model", model_name, "--method", name,
-                   "--context", str(context), "--new-tokens", str(new_tokens), "--device", device,
-                   "--rounds", str(rounds)]
-            cmd += ["--profile", str(profile_path)] if profile_path else []
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            if proc.returncode != 0:
-                lines = (proc.stderr.strip() or "no output").splitlines()
-                rows.append({"method": name, "context": context, "error": lines[-1]})
-                continue
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
-            base = base or row
-            row["tok_s_ratio"] = row["tok_s"] / base["tok_s"]
-            row["peak_rss_ratio"] = row["peak_rss_mb"] / base["peak_rss_mb"]
-            if "tok_s_watching" in row:
-                row["tok_s_watching_ratio"] = row["tok_s_watching"] / base["tok_s"]
-            if name == llamacpp.REFERENCE:
-                reference = row
-            if name in in_llamacpp and reference is not None:
-                row["tok_s_vs_reference"] = row["tok_s"] / reference["tok_s"]
-            rows.append(row)
+        measured: dict[str, list[dict]] = {name: [] for name in names}
+        for turn in range(passes):
+            for name in names:
+                if progress:
+                    what = f" (pass {turn + 1} of {passes})" if passes > 1 else ""
+                    print(f"[kvguard eval] speed: {name} at {context} tokens{what}", file=sys.stderr, flush=True)
+                measured[name].append(_measure_in_process(model_name, name, context, new_tokens, profile_path,
+                                                          device, rounds))
+        rows += _with_ratios([merge_passes(measured[name]) for name in names], in_llamacpp, llamacpp.REFERENCE)
+    return rows
+
+
+def _with_ratios(rows: list[dict], in_llamacpp: list[str], reference_name: str) -> list[dict]:
+    """One context's rows (``fp16`` first) with their ratios to ``fp16`` and, for llama.cpp's, to its f16."""
+    ok = [r for r in rows if "error" not in r]
+    base = ok[0] if ok else None
+    reference = next((r for r in ok if r["method"] == reference_name), None)
+    for row in ok:
+        row["tok_s_ratio"] = row["tok_s"] / base["tok_s"]
+        row["peak_rss_ratio"] = row["peak_rss_mb"] / base["peak_rss_mb"]
+        if "tok_s_watching" in row:
+            row["tok_s_watching_ratio"] = row["tok_s_watching"] / base["tok_s"]
+        if row["method"] in in_llamacpp and reference is not None:
+            row["tok_s_vs_reference"] = row["tok_s"] / reference["tok_s"]
     return rows
 
 
