@@ -210,3 +210,31 @@ def test_sliding_layers_of_any_precision_hold_the_same_tokens():
         assert len(sizes) == 1
         for layer in layers:
             layer.update(keys[..., t:t + 1, :], values[..., t:t + 1, :])
+
+
+def test_groups_are_written_into_preallocated_room_and_earlier_reads_stay():
+    layer = KVGuardLayer(("int4", "fp16", "int2"), CFG)
+    keys, values = kv(80, 21)
+    feed(layer, keys[..., :40, :], values[..., :40, :], chunk=1)
+    int4, fp16 = layer._runs[0].parts[0], layer._runs[0].parts[1]
+    read = layer.stored_read()
+    before = [(s.keys.dequantize() if hasattr(s.keys, "dequantize") else s.keys).clone() for s in read.segments]
+    codes, plain = int4.keys.qdata.data_ptr(), fp16.values.data_ptr()
+    feed(layer, keys[..., 40:, :], values[..., 40:, :], chunk=1)
+    # The same buffers took the later groups: nothing was concatenated or copied.
+    assert int4.keys.qdata.data_ptr() == codes and fp16.values.data_ptr() == plain
+    assert int4.room["keys.codes"].shape[-2] >= int4.keys.num_tokens > read.segments[1].length
+    for seg, old in zip(read.segments, before):  # what a read held is what it was
+        now = seg.keys.dequantize() if hasattr(seg.keys, "dequantize") else seg.keys
+        assert torch.equal(now, old)
+    # The stored tokens read as one quantization of all of them, as a concatenation would give.
+    ref = KVGuardLayer(("int4", "fp16", "int2"), CFG)
+    feed(ref, keys, values, chunk=80)
+    for got, want in zip(layer.materialize(), ref.materialize()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # A batch reorder gives new tensors: the next group goes into a new buffer, with the reordered rows.
+    layer.reorder_cache(torch.tensor([1, 0]))
+    layer.update(*kv(4, 22))
+    assert int4.keys.qdata.data_ptr() != codes and layer.stored_tokens == 84
+    end = ref.window_start()  # tokens stored the same way in both: the later group changed the rest
+    assert torch.equal(layer.materialize()[0][0, :, :end], ref.materialize()[0][1, :, :end])

@@ -34,7 +34,7 @@ same. Everything else (prefill, hooks, a missing kernel build) keeps the materia
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -74,6 +74,7 @@ class _Part:
     keys: "QuantizedTensor | torch.Tensor | None" = None  # [B, h, T, D]
     values: "QuantizedTensor | torch.Tensor | None" = None
     rotation: torch.Tensor | None = None  # [h, D] signs of the part's heads, when a side is rotated
+    room: dict = field(default_factory=dict)  # the preallocated buffers keys / values are views of (_extend)
 
     def nbytes(self) -> int:
         return _nbytes(self.keys) + _nbytes(self.values)
@@ -258,8 +259,8 @@ class KVGuardLayer(CacheLayerMixin):
             v_new = self._encode(
                 v_in, pl.value_spec, pl.value_spec and self._static_absmax(self.value_absmax, pl.value_spec, part.index)
             )
-            part.keys = k_new if part.keys is None else _cat(part.keys, k_new)
-            part.values = v_new if part.values is None else _cat(part.values, v_new)
+            part.keys = _extend(part.room, "keys", part.keys, k_new)
+            part.values = _extend(part.room, "values", part.values, v_new)
             if self.track_error and pl.key_spec is not None:
                 self._track(part, first, (k, v), (_read_new(part, k_new, True), _read_new(part, v_new, False)))
         run.length += keys.shape[-2]
@@ -639,10 +640,48 @@ def _grow(buffer: torch.Tensor | None, heads: int, size: int, device=None) -> to
     return grown
 
 
-def _cat(a, b):
-    if isinstance(a, QuantizedTensor):
-        return QuantizedTensor.cat([a, b])
-    return torch.cat([a, b], dim=-2)
+# Tokens are appended into preallocated buffers rather than concatenated: a part's codes, scales and zero points
+# (and an FP16 part's tensors) are views of the first T rows (axis -2) of buffers with room for more, and a
+# group leaving the window is written into the free rows behind them. A full buffer is replaced by one twice
+# its size, so a part of n tokens was copied O(log n) times in all instead of once per group. Pages of the free
+# rows are not touched until written, so they take address space but no resident memory. The views handed out
+# (StoredRead, materialize) cover rows that are never written again: appending leaves them as they were.
+_MIN_ROWS = 256
+
+
+def _extend_rows(room: dict, key: str, stored: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """``stored`` followed by ``new`` along axis -2, written into ``room[key]`` when ``stored`` is the view of
+    its first rows that the last call returned (anything else: a batch reorder or a dropped front gave new
+    tensors) and it has the free rows; otherwise into a new buffer of twice the rows needed."""
+    n, m = (0 if stored is None else stored.shape[-2]), new.shape[-2]
+    buffer = room.get(key)
+    reusable = (buffer is not None and stored is not None and stored.data_ptr() == buffer.data_ptr()
+                and stored.stride() == buffer.stride() and stored.shape[:-2] == buffer.shape[:-2]
+                and n + m <= buffer.shape[-2])
+    if not reusable:
+        buffer = new.new_empty(*new.shape[:-2], max(2 * (n + m), _MIN_ROWS), new.shape[-1])
+        if n:
+            buffer[..., :n, :].copy_(stored)
+        room[key] = buffer
+    buffer[..., n:n + m, :].copy_(new)
+    return buffer[..., :n + m, :]
+
+
+def _extend(room: dict, side: str, stored, new):
+    """A part's ``stored`` keys or values (``None``, a :class:`QuantizedTensor` or an FP16 tensor) followed by
+    ``new``, through :func:`_extend_rows`."""
+    if not isinstance(new, QuantizedTensor):
+        return _extend_rows(room, side, stored, new)
+    if stored is not None and (stored.spec != new.spec or stored.shape[:-2] != new.shape[:-2]):
+        raise ValueError(f"cannot append {new.spec}/{new.shape} to {stored.spec}/{stored.shape}")
+    qdata = _extend_rows(room, side + ".codes", None if stored is None else stored.qdata, new.qdata)
+    scale, zero = new.scale, new.zero_point
+    if not new.spec.static:  # a calibrated scale is shared by every token: one copy
+        scale = _extend_rows(room, side + ".scale", None if stored is None else stored.scale, new.scale)
+        if zero is not None:
+            zero = _extend_rows(room, side + ".zero", None if stored is None else stored.zero_point, zero)
+    tokens = new.shape[-2] + (0 if stored is None else stored.shape[-2])
+    return QuantizedTensor(qdata, scale, zero, new.spec, (*new.shape[:-2], tokens, new.shape[-1]))
 
 
 def _decode(t, dtype: torch.dtype) -> torch.Tensor:
