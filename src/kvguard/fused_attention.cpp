@@ -18,8 +18,8 @@
 // the last axis contiguous), s(t, d) = scale[t / tokens_per_row, d / channels_per_entry]: keys grouped per
 // channel over G tokens pass (G, 1), values grouped per token over G channels pass (1, G); a calibrated INT8
 // scale shared by every token comes expanded with a zero row stride. zero is empty for symmetric INT8.
-// A row is dequantized into a small buffer exactly as QuantizedTensor.dequantize does (code * s + z in
-// float32), so the results equal the reference up to float summation order.
+// Codes are dequantized exactly as QuantizedTensor.dequantize does (code * s + z in float32, a product then a
+// sum), eight channels at a time with AVX2, so the results equal the reference up to float summation order.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

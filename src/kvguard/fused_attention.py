@@ -10,9 +10,9 @@ stored past, as they were before this step's tokens were appended, and :func:`at
 over them segment by segment, in columns ``[ sinks | run 0 parts | ... | window | new tokens ]`` (the same
 columns, hence the same mask, as the materialized tensor):
 
-- **scores**: quantized parts by :func:`key_scores` in C++ (``fused_attention.cpp``: unpack one token's codes,
-  dequantize them into a buffer as ``QuantizedTensor.dequantize`` does, dot them with every query row the KV
-  head serves, grouped-query heads and query tokens together), full-precision segments (sinks, window, FP16
+- **scores**: quantized parts by :func:`key_scores` in C++ (``fused_attention.cpp``: unpack one token's codes
+  eight at a time, dequantize them as ``QuantizedTensor.dequantize`` does, dot them with every query row the
+  KV head serves, grouped-query heads and query tokens together, four rows per pass), full-precision segments (sinks, window, FP16
   parts, the new tokens, overlay positions) by plain matmuls. Keys stored rotated (``k @ R``) are scored
   against the rotated query ``q @ R``: ``q . k = (q R) . (k R)``.
 - **softmax** over the whole row at once, after the mask transformers passed (boolean or additive; ``None``
