@@ -8,7 +8,9 @@ A layer stores the tokens it has seen, in order, as::
 - **runs**: quantized tokens. A run is a stretch of tokens stored under one layout (which precision each KV
   head uses, clip ratios, static scales); ``set_precision`` starts a new run, earlier runs keep their format.
   Within a run the heads sharing a precision form one *part*. Tokens enter a run in whole groups of
-  ``group_size`` when they leave the window, are quantized exactly once, and are never re-quantized.
+  ``group_size`` when they leave the window, are quantized exactly once, and are never re-quantized. A part's
+  codes live in preallocated buffers that double when full: a group is written behind the stored ones, not
+  concatenated onto them (see ``_extend_rows``).
 - **window**: the most recent ``residual`` to ``residual + group_size - 1`` tokens, full precision.
 - **rotation** (optional, per side): heads below INT8 can store ``quantize(x @ R)`` with ``R`` an orthonormal
   randomized Hadamard matrix per KV head (:mod:`kvguard.rotation`), read back as ``dequantize(...) @ R.T``.

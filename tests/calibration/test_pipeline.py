@@ -119,7 +119,7 @@ def test_profile_carries_a_calibrated_monitor(calibrated):
 def test_live_loop_in_eval_and_generate(calibrated, tmp_path, capsys):
     path = str(calibrated.path)
     assert cli.main(["eval", "--model", "smollm2-135m", "--profile", path, "--methods", "kvguard-live,kvguard-live:int2",
-                     "--tokens", "300", "--json", str(tmp_path / "eval.json")]) == 0
+                     "--tokens", "200", "--json", str(tmp_path / "eval.json")]) == 0
     rows = {r["method"]: r for r in json.loads((tmp_path / "eval.json").read_text())["results"]}
     for name in ("kvguard-live", "kvguard-live:int2"):
         row = rows[name]
