@@ -6,6 +6,7 @@ same greedy tokens, one step each in turn, so a loaded machine slows every varia
 ratio to ``fp16`` (fused) come from the same run.
 
     python benchmarks/fused_decode.py --context 4096 --steps 16 --precisions fp16,int4,int2
+    python benchmarks/fused_decode.py --context 4096 --precisions fp16,int2,kvguard@0.22 --profile P   # a plan too
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ from transformers import DynamicCache
 from kvguard import data, models
 from kvguard.cache import KVGuardCache
 from kvguard.control.decoding import CacheDecoder
+from kvguard.evaluation import methods
+from kvguard.profile import Profile
 
 
-def _filled(model, prompt_cache: DynamicCache, precision: str) -> KVGuardCache:
-    cache = KVGuardCache(model.config, precision)
+def _filled(model, prompt_cache: DynamicCache, precision: str, profile) -> KVGuardCache:
+    """A cache of one precision, or of a method's plan (``kvguard``, ``kvguard@0.22``: needs ``--profile``)."""
+    try:
+        cache = KVGuardCache(model.config, precision)
+    except ValueError:
+        cache = methods.get(precision, profile).make_cache(model)
     for idx, layer in enumerate(prompt_cache.layers):
         cache.update(layer.keys, layer.values, idx)
     return cache
@@ -36,15 +43,17 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--precisions", default="fp16,int4,int2")
+    parser.add_argument("--precisions", default="fp16,int4,int2", help="precisions or plan methods (kvguard@0.22)")
+    parser.add_argument("--profile", help="calibration profile, for plan methods")
     args = parser.parse_args()
     model, tok = models.load(args.model)
+    profile = Profile.load(args.profile, model) if args.profile else None
     ids = data.token_stream("long", "eval", tok, args.context).reshape(1, -1)
     prompt_cache = DynamicCache(config=model.config)
     first = int(model(input_ids=ids, cache=prompt_cache, use_cache=True).logits[0, -1].argmax())
     decoders = {}
     for precision in args.precisions.split(","):
-        cache = _filled(model, prompt_cache, precision)
+        cache = _filled(model, prompt_cache, precision, profile)
         decoders[f"{precision} fused"] = CacheDecoder(model, cache, fused=True)
         decoders[f"{precision} materialized"] = CacheDecoder(model, copy.deepcopy(cache), fused=False)
     tokens = {name: first for name in decoders}

@@ -76,6 +76,7 @@ class _Part:
     keys: "QuantizedTensor | torch.Tensor | None" = None  # [B, h, T, D]
     values: "QuantizedTensor | torch.Tensor | None" = None
     rotation: torch.Tensor | None = None  # [h, D] signs of the part's heads, when a side is rotated
+    rotation_matrix: torch.Tensor | None = None  # [h, D, D] the same rotation R, for the fused read's matmuls
     room: dict = field(default_factory=dict)  # the preallocated buffers keys / values are views of (_extend)
 
     def nbytes(self) -> int:
@@ -273,10 +274,11 @@ class KVGuardLayer(CacheLayerMixin):
 
     def _new_part(self, pl: _PartLayout) -> _Part:
         index = torch.tensor(pl.heads, device=self.device)
-        r = None
+        r = m = None
         if pl.key_rotated or pl.value_rotated:
             r = rotation.signs(self.head_dim, self.num_heads, self.layer_idx, self.device).index_select(0, index)
-        return _Part(pl, index, rotation=r)
+            m = rotation.matrix(self.head_dim, self.num_heads, self.layer_idx).to(self.device).index_select(0, index)
+        return _Part(pl, index, rotation=r, rotation_matrix=m)
 
     def _track(self, part: _Part, first: int, originals, encoded) -> None:
         """Record the evidence a quantization leaves: per-position relative error, values outside the
@@ -343,7 +345,8 @@ class KVGuardLayer(CacheLayerMixin):
                 heads = None if len(pl.heads) == self.num_heads else part.index
                 segments.append(fused_attention.StoredSegment(
                     column, run.length, heads, part.keys, part.values,
-                    part.rotation if pl.key_rotated else None, part.rotation if pl.value_rotated else None))
+                    part.rotation_matrix if pl.key_rotated else None,
+                    part.rotation_matrix if pl.value_rotated else None))
             column += run.length
         if self._win_k.shape[-2]:
             segments.append(fused_attention.StoredSegment(column, self._win_k.shape[-2], None, self._win_k, self._win_v))

@@ -43,7 +43,6 @@ from pathlib import Path
 
 import torch
 
-from kvguard import rotation
 from kvguard.quantizer import Axis, QuantizedTensor
 
 MAX_QUERY = 8  # new tokens per step read through the kernels; a longer chunk (a prefill) materializes
@@ -60,7 +59,9 @@ class StoredSegment:
     Attributes:
         heads: the layer's KV heads it holds (``LongTensor``), ``None`` for all of them.
         keys / values: ``[B, h, length, D]``: a :class:`QuantizedTensor` or a full-precision tensor.
-        key_signs / value_signs: the heads' ``[h, D]`` rotation signs when that side is stored rotated.
+        key_rotation / value_rotation: the heads' ``[h, D, D]`` rotation matrices ``R`` when that side is stored
+            rotated (one small matmul per part rotates the query or the output: the butterflies of
+            :func:`kvguard.rotation.rotate` cost six rounds of small tensor ops per call here).
     """
 
     start: int
@@ -68,8 +69,8 @@ class StoredSegment:
     heads: torch.Tensor | None
     keys: "QuantizedTensor | torch.Tensor"
     values: "QuantizedTensor | torch.Tensor"
-    key_signs: torch.Tensor | None = None
-    value_signs: torch.Tensor | None = None
+    key_rotation: torch.Tensor | None = None
+    value_rotation: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,8 @@ def _codes(x: QuantizedTensor, batch: int, heads: int) -> tuple:
 
 def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegment) -> None:
     qs = q if seg.heads is None else q.index_select(1, seg.heads)
-    if seg.key_signs is not None:
-        qs = rotation.rotate(qs, seg.key_signs)  # (q R) . (k R) = q . k
+    if seg.key_rotation is not None:
+        qs = qs @ seg.key_rotation  # (q R) . (k R) = q . k
     if isinstance(seg.keys, QuantizedTensor):
         heads = seg.heads if seg.heads is not None else torch.empty(0, dtype=torch.long)
         ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_codes(seg.keys, q.shape[0], qs.shape[1]))
@@ -186,8 +187,8 @@ def _read_segment(ops, probs: torch.Tensor, out: torch.Tensor, seg: StoredSegmen
         p = probs[..., seg.start:seg.start + seg.length]
         p = p if seg.heads is None else p.index_select(1, seg.heads)
         part = p @ seg.values.to(torch.float32)  # [B, h, R, D]
-    if seg.value_signs is not None:
-        part = rotation.unrotate(part, seg.value_signs)  # (p @ v R) R^T = p @ v
+    if seg.value_rotation is not None:
+        part = part @ seg.value_rotation.transpose(-1, -2)  # (p @ v R) R^T = p @ v
     if seg.heads is None:
         out += part
     else:
