@@ -201,6 +201,21 @@ def test_unconsumed_read_is_refused():
         attention._PENDING.set(None)
 
 
+def test_only_a_cache_on_the_cpu_hands_its_read_to_the_kernels():
+    """The kernels are C++ CPU code: a cache whose tensors live on a GPU reads the materializing way instead of
+    passing device pointers to them (the meta device stands in for a GPU here)."""
+    layer = KVGuardLayer("int4", CONFIG)
+    _fill(layer, 20, torch.Generator().manual_seed(7))
+    token = attention._FUSED.set(True)
+    try:
+        assert layer._defers(torch.zeros(B, H_KV, 1, D))
+        assert not layer._defers(torch.zeros(B, H_KV, 1, D, device="meta"))
+    finally:
+        attention._FUSED.reset(token)
+    assert fused_attention.available(torch.device("cpu"))
+    assert not fused_attention.available(torch.device("cuda"))
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_unchanged(smollm2):
     model, tok = smollm2

@@ -313,7 +313,7 @@ class KVGuardLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.read_fp_from = self.window_start()  # this read sees positions from here on at full precision
-        if self._defers(key_states.shape[-2]):
+        if self._defers(key_states):
             # The harness attends over the past as stored now (the snapshot keeps it while tokens are appended).
             attention.defer_read(key_states, self.stored_read())
             self.stored_last_update = False
@@ -328,10 +328,10 @@ class KVGuardLayer(CacheLayerMixin):
             return key_states, value_states
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
 
-    def _defers(self, new_tokens: int) -> bool:
+    def _defers(self, key_states: torch.Tensor) -> bool:
         """Whether this update hands its read to the fused decode attention instead of materializing."""
-        return (self.stored_tokens > 0 and new_tokens <= fused_attention.MAX_QUERY
-                and attention.fused_reads_active() and fused_attention.available())
+        return (self.stored_tokens > 0 and key_states.shape[-2] <= fused_attention.MAX_QUERY
+                and attention.fused_reads_active() and fused_attention.available(key_states.device))
 
     def stored_read(self) -> fused_attention.StoredRead:
         """The stored past as segments of codes and full-precision tensors, for the fused decode attention

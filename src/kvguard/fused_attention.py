@@ -144,8 +144,10 @@ def kernels():
     return _LOADED[0]
 
 
-def available() -> bool:
-    return kernels() is not None
+def available(device: torch.device | None = None) -> bool:
+    """Whether the kernels are built and loaded and, given a ``device``, can read tensors there: they are C++ CPU
+    code, so a cache on a GPU reads its history the materializing way (through the dequantizing torch ops)."""
+    return (device is None or device.type == "cpu") and kernels() is not None
 
 
 # ------------------------------------------------------------------------------------------ attention
