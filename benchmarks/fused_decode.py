@@ -37,6 +37,31 @@ def _filled(model, prompt_cache: DynamicCache, precision: str, profile) -> KVGua
     return cache
 
 
+def interleaved(decoders: dict[str, CacheDecoder], tokens: dict[str, int], steps: int) -> dict[str, list[float]]:
+    """Seconds per decode step of each decoder, over ``steps`` greedy steps taken one decoder after another (so
+    a drifting machine slows them alike), each starting from its ``tokens`` entry; a first step warms up."""
+    tokens = dict(tokens)
+    seconds: dict[str, list[float]] = {name: [] for name in decoders}
+    for step in range(steps + 1):
+        for name, decoder in decoders.items():
+            started = time.perf_counter()
+            logits = decoder.step(tokens[name])
+            if step:
+                seconds[name].append(time.perf_counter() - started)
+            tokens[name] = int(logits.argmax())
+    return seconds
+
+
+def print_medians(seconds: dict[str, list[float]], base: str, title: str) -> None:
+    """A Markdown table of each decoder's median step time, tok/s and speed relative to ``base``."""
+    reference = statistics.median(seconds[base])
+    print(f"| {title} | median ms/step | tok/s | vs {base} |")
+    print("|---|---|---|---|")
+    for name, values in seconds.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median * 1e3:.1f} | {1 / median:.2f} | {reference / median:.2f} |")
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,21 +81,8 @@ def main() -> None:
         cache = _filled(model, prompt_cache, precision, profile)
         decoders[f"{precision} fused"] = CacheDecoder(model, cache, fused=True)
         decoders[f"{precision} materialized"] = CacheDecoder(model, copy.deepcopy(cache), fused=False)
-    tokens = {name: first for name in decoders}
-    seconds: dict[str, list[float]] = {name: [] for name in decoders}
-    for step in range(args.steps + 1):
-        for name, decoder in decoders.items():
-            started = time.perf_counter()
-            logits = decoder.step(tokens[name])
-            if step:  # the first step warms up
-                seconds[name].append(time.perf_counter() - started)
-            tokens[name] = int(logits.argmax())
-    base = statistics.median(seconds[f"{args.precisions.split(',')[0]} fused"])
-    print(f"| context {args.context} | median ms/step | tok/s | vs {args.precisions.split(',')[0]} fused |")
-    print("|---|---|---|---|")
-    for name, values in seconds.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median * 1e3:.1f} | {1 / median:.2f} | {base / median:.2f} |")
+    seconds = interleaved(decoders, {name: first for name in decoders}, args.steps)
+    print_medians(seconds, f"{args.precisions.split(',')[0]} fused", f"context {args.context}")
 
 
 if __name__ == "__main__":

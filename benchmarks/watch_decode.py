@@ -12,10 +12,9 @@ steps but never acts; the script checks that it did not.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from fused_decode import interleaved, print_medians  # a sibling script: python puts this folder on the path
 
 from kvguard import data, models
 from kvguard.control.decoding import CacheDecoder
@@ -45,24 +44,12 @@ def main() -> None:
         f"{args.plan} watched": live.session(model, monitor_overrides=NEVER_ACT),
     }
     tokens = {name: int(d.prefill(ids).argmax()) for name, d in decoders.items()}
-    seconds: dict[str, list[float]] = {name: [] for name in decoders}
-    for step in range(args.steps + 1):
-        for name, decoder in decoders.items():
-            started = time.perf_counter()
-            logits = decoder.step(tokens[name])
-            if step:  # the first step warms up
-                seconds[name].append(time.perf_counter() - started)
-            tokens[name] = int(logits.argmax())
+    seconds = interleaved(decoders, tokens, args.steps)
     session = decoders[f"{args.plan} watched"]
     c = session.counters
     if c.acted_steps or c.recompute_ms:
         raise SystemExit(f"the watching session acted ({c.acted_steps} steps): the timing is not of watching alone")
-    base = statistics.median(seconds["fp16"])
-    print(f"| context {args.context}, {args.steps} steps | median ms/step | tok/s | vs fp16 |")
-    print("|---|---|---|---|")
-    for name, values in seconds.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median * 1e3:.1f} | {1 / median:.2f} | {base / median:.2f} |")
+    print_medians(seconds, "fp16", f"context {args.context}, {args.steps} steps")
     print(f"monitoring steps of the watched session: {c.steps}, acting: {c.acted_steps}")
 
 
