@@ -59,3 +59,14 @@ def test_rows_and_table():
     assert "max batch @ 4096 (4 GiB)" in table and "peak 8 x 4096 predicted MiB" in table
     assert "| int4 | 1000 | 26.0 | 36.0 | 119 | 49 | 1496 | 1500 | 0.90 | 0.330 |" in table
     assert "| hf-quanto-4 | unsupported: no quanto |" in table
+
+
+def test_a_probe_counts_the_weights_in_the_model_not_in_the_first_chunk(smollm2):
+    """The weights are resident before the first chunk: the model's RSS over a bare process holds at least their
+    bytes, and the first chunk's peak over model and cache is not that large again (a fresh process, real model)."""
+    row = capacity.probe_subprocess("smollm2-135m", "fp16", 1, 2 * capacity.CHUNK, capacity.CHUNK, None, "cpu")
+    assert "error" not in row, row
+    weights = smollm2[0].num_parameters() * 4  # float32
+    assert row["model_rss"] - row["base_rss"] >= 0.95 * weights
+    (_, kv, first_peak), _ = row["points"]
+    assert first_peak - row["model_rss"] - kv < 0.5 * weights

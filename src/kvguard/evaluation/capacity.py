@@ -5,7 +5,8 @@ The prediction is arithmetic over measured quantities (:class:`Footprint`)::
 
     peak(B, T) = max(load_peak, model_rss + B * (kv(T) + act(T)))
 
-- ``model_rss``: the process's resident memory once the model is loaded (weights, torch, tokenizer);
+- ``model_rss``: the process's resident memory once the model is loaded and every weight has been read once
+  (weights, torch, tokenizer);
   ``load_peak``: its high-water mark while loading (safetensors and the float copy may overlap).
 - ``kv(T) = kv0 + kv1 * T``: bytes one sequence's cache stores after ``T`` tokens, read from a real cache
   after every chunk of a real prefill and fitted by least squares (exactly linear for kvguard's layouts once
@@ -154,7 +155,9 @@ def probe(model_name: str, method_name: str, batch: int, context: int, *, chunk:
     from kvguard.device import resolve
 
     meter = _Meter(resolve(device))  # before the load: its peak is the load's
+    base_rss = meter.current()
     model, tok = models.load(model_name, device=device)
+    _page_in(model)
     method = methods.get(method_name, Profile.load(profile_path, model) if profile_path else None)
     if method.live or method.llamacpp is not None:
         raise ValueError(f"method {method_name!r} has no bare transformers cache to size; capacity takes the static "
@@ -170,9 +173,19 @@ def probe(model_name: str, method_name: str, batch: int, context: int, *, chunk:
         model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
         points.append([min(start + chunk, context), methods.kv_bytes(cache)[0], meter.peak()])
     stored, fp16 = methods.kv_bytes(cache)
-    return {"method": method_name, "batch": batch, "context": context, "chunk": chunk, "model_rss": model_rss,
-            "load_peak": load_peak, "points": points, "kv_bytes": stored, "kv_bytes_ratio": stored / fp16,
+    return {"method": method_name, "batch": batch, "context": context, "chunk": chunk, "base_rss": base_rss,
+            "model_rss": model_rss, "load_peak": load_peak, "points": points, "kv_bytes": stored, "kv_bytes_ratio": stored / fp16,
             "peak_rss": max(load_peak, max(p[2] for p in points))}
+
+
+def _page_in(model: torch.nn.Module) -> None:
+    """Read every weight once. Loaded weights can be views of the safetensors file's memory map, resident only
+    once touched: unread, they would become resident during the first chunk and the fit would count them as that
+    chunk's activations (SmolLM2-135M: model RSS 520 MiB instead of 1,026, and act. ~260 MiB per sequence)."""
+    for p in model.parameters():
+        p.detach().sum()
+    for b in model.buffers():
+        b.detach().sum()
 
 
 def probe_subprocess(model_name: str, method_name: str, batch: int, context: int, chunk: int,
