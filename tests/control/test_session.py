@@ -56,11 +56,13 @@ def test_the_monitor_sees_what_the_simulation_computes(smollm2, baseline):
         session.step(token)
     sim = signals.record(model, ids, plan)
     assert sim.entropy.shape == (160, arch.num_layers)
-    # Equal up to float rounding (streaming and the parallel pass accumulate differently across 30 layers).
+    # Equal up to float rounding (streaming and the parallel pass accumulate differently across 30 layers). A
+    # rounding can flip an INT4 bin, which moves one step's value by ~1e-2 (0.0148 measured on an AVX-512 CPU):
+    # the mean is what shows a real disagreement.
     for live, simulated in ((session.monitor.entropies, sim.entropy), (session.monitor.werrs[..., 0], sim.werr_k),
                             (session.monitor.werrs[..., 1], sim.werr_v)):
         diff = (live - simulated).abs()
-        assert float(diff.max()) < 1e-2 and float(diff.mean()) < 1e-3
+        assert float(diff.max()) < 3e-2 and float(diff.mean()) < 1e-3
     assert float(sim.werr_k[-1].mean()) > 0.01  # late queries do read quantized keys
     assert float(sim.werr_k[:60].abs().max()) == 0.0  # nothing quantized yet in the first 68 tokens
     assert session.counters.steps == 0 and not session.events
