@@ -106,8 +106,6 @@ class _SimulationHook:
         rot = None
         if lp.key_rotation or lp.value_rotation:
             rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
-        if self.observer is None and not any(p.is_quantized for p in lp.precision):
-            return _unquantized_attention(query, key, value, k_fp, v_fp, attention_mask, scaling, softcap)
         k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax,
                               rot if lp.key_rotation else None, self.codec, layer_idx)
         v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, g, lp.value_clip, v_absmax,
@@ -135,25 +133,6 @@ class _SimulationHook:
         out = probs.masked_fill(~quantized, 0.0) @ attention.expand_kv(v_q, rep) + off_diag_fp @ attention.expand_kv(v_fp, rep)
         out = out + probs.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * attention.expand_kv(value.to(torch.float32), rep)
         return out.to(query.dtype)
-
-
-def _unquantized_attention(query, key, value, k_fp, v_fp, attention_mask, scaling, softcap) -> torch.Tensor:
-    """What :class:`_SimulationHook` computes for a layer with no quantized head, in half the work: every past
-    key / value as stored (``k_fp`` / ``v_fp``, float32 ``[B, H_kv, T, D]``), the query's own as computed. (The
-    sensitivity stage's trials quantize one layer: the others all take this path.)"""
-    rep = query.shape[1] // key.shape[1]
-    q32 = query.to(torch.float32)
-    scores = q32 @ attention.expand_kv(k_fp, rep).transpose(-1, -2) * scaling  # [B, Hq, T, T]
-    exact_self = (q32 * attention.expand_kv(key.to(torch.float32), rep)).sum(-1) * scaling  # [B, Hq, T]
-    scores.diagonal(dim1=-2, dim2=-1).copy_(exact_self)
-    scores = attention.softcapped(scores, softcap)
-    if attention_mask is not None:
-        scores = scores + attention_mask.to(torch.float32)
-    probs = torch.softmax(scores, dim=-1)
-    # probs @ v_fp counts the diagonal with the stored value: swap it for the value as computed.
-    own = probs.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)  # [B, Hq, T, 1]
-    exact = attention.expand_kv(value.to(torch.float32) - v_fp, rep)
-    return (probs @ attention.expand_kv(v_fp, rep) + own * exact).to(query.dtype)
 
 
 @contextlib.contextmanager
