@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import re
@@ -174,18 +175,16 @@ def probe(model_name: str, method_name: str, batch: int, context: int, *, chunk:
         points.append([min(start + chunk, context), methods.kv_bytes(cache)[0], meter.peak()])
     stored, fp16 = methods.kv_bytes(cache)
     return {"method": method_name, "batch": batch, "context": context, "chunk": chunk, "base_rss": base_rss,
-            "model_rss": model_rss, "load_peak": load_peak, "points": points, "kv_bytes": stored, "kv_bytes_ratio": stored / fp16,
-            "peak_rss": max(load_peak, max(p[2] for p in points))}
+            "model_rss": model_rss, "load_peak": load_peak, "points": points, "kv_bytes": stored,
+            "kv_bytes_ratio": stored / fp16, "peak_rss": max(load_peak, max(p[2] for p in points))}
 
 
 def _page_in(model: torch.nn.Module) -> None:
     """Read every weight once. Loaded weights can be views of the safetensors file's memory map, resident only
     once touched: unread, they would become resident during the first chunk and the fit would count them as that
     chunk's activations (SmolLM2-135M: model RSS 520 MiB instead of 1,026, and act. ~260 MiB per sequence)."""
-    for p in model.parameters():
-        p.detach().sum()
-    for b in model.buffers():
-        b.detach().sum()
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        t.detach().sum()
 
 
 def probe_subprocess(model_name: str, method_name: str, batch: int, context: int, chunk: int,
