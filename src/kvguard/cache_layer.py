@@ -651,7 +651,8 @@ def _grow(buffer: torch.Tensor | None, heads: int, size: int, device=None) -> to
 # room for max(_MIN_ROOM, T / _ROOM_DIVISOR) more rows: an appended row costs T / 256 copied rows amortized up to
 # 4,096 tokens and 16 beyond, instead of T, while the free rows stay a few percent of the cache. Doubling
 # copied less but cost more memory than it saved time: freed buffers return to the allocator's heap, later
-# buffers reuse those touched pages, so free rows were resident after all (8 x 4,096 FP16 on SmolLM2-135M: peak RSS 3,442 MiB doubling, 2,345 this rule).
+# buffers reuse those touched pages, so free rows were resident after all (8 x 4,096 FP16 on SmolLM2-135M:
+# peak RSS 3,442 MiB doubling, 2,345 this rule).
 # The views handed out (StoredRead, materialize) cover rows that are never written again: appending leaves
 # them as they were.
 _MIN_ROOM = 256
