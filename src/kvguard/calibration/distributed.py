@@ -56,8 +56,9 @@ class Executor(Protocol):
     def statistics(self, batches: Sequence[torch.Tensor]) -> Iterator[BatchStatistics]:
         """One :class:`~kvguard.calibration.kv_statistics.BatchStatistics` per ``[B, T]`` batch."""
 
-    def score(self, heldout: HeldOut, plans: Sequence[Plan], scales: StaticScales | None = None) -> Iterator[PlanScore]:
-        """``heldout.score(plan, scales)`` for every plan."""
+    def score(self, heldout: HeldOut, plans: Sequence[Plan], scales: StaticScales | None = None,
+              anchors: Sequence[Plan] = ()) -> Iterator[PlanScore]:
+        """``heldout.score(plan, scales, anchors)`` for every plan."""
 
     def close(self) -> None:
         """Release the workers."""
@@ -76,10 +77,10 @@ class Worker:
     def use_heldout(self, streams: dict[str, torch.Tensor], reference: Reference) -> None:
         self.heldout = HeldOut(self.model, streams, reference)
 
-    def score(self, plan: Plan, scales: StaticScales | None) -> PlanScore:
+    def score(self, plan: Plan, scales: StaticScales | None, anchors: Sequence[Plan] = ()) -> PlanScore:
         if self.heldout is None:
             raise RuntimeError("this worker has no held-out slice yet (use_heldout first)")
-        return self.heldout.score(plan, scales)
+        return self.heldout.score(plan, scales, anchors)
 
 
 class LocalExecutor:
@@ -95,10 +96,11 @@ class LocalExecutor:
         for ids in batches:
             yield worker.collect_batch(ids)
 
-    def score(self, heldout: HeldOut, plans: Sequence[Plan], scales: StaticScales | None = None) -> Iterator[PlanScore]:
+    def score(self, heldout: HeldOut, plans: Sequence[Plan], scales: StaticScales | None = None,
+              anchors: Sequence[Plan] = ()) -> Iterator[PlanScore]:
         worker = Worker(self.model, heldout)
         for plan in plans:
-            yield worker.score(plan, scales)
+            yield worker.score(plan, scales, anchors)
 
     def close(self) -> None:
         pass
@@ -210,15 +212,17 @@ class RayExecutor:
     def statistics(self, batches: Sequence[torch.Tensor]) -> Iterator[BatchStatistics]:
         return self._map("collect_batch", [(ids,) for ids in batches])
 
-    def score(self, heldout: HeldOut, plans: Sequence[Plan], scales: StaticScales | None = None) -> Iterator[PlanScore]:
+    def score(self, heldout: HeldOut, plans: Sequence[Plan], scales: StaticScales | None = None,
+              anchors: Sequence[Plan] = ()) -> Iterator[PlanScore]:
         ray = self._ray
         if self._heldout is not heldout:
             # Once per held-out slice: the streams and the FP16 reference (tokens x vocab floats per domain).
             streams, reference = ray.put(heldout.streams), ray.put(heldout.reference)
             ray.get([a.use_heldout.remote(streams, reference) for a in self.actors])
             self._heldout = heldout
-        scales_ref = ray.put(scales)
-        return self._map("score", [(plan, scales_ref) for plan in plans])
+        # Each worker records its own pass under each anchor, once (a hidden state per layer: never sent).
+        scales_ref, anchors_ref = ray.put(scales), ray.put(tuple(anchors))
+        return self._map("score", [(plan, scales_ref, anchors_ref) for plan in plans])
 
     def close(self) -> None:
         for actor in self.actors:

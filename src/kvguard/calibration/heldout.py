@@ -7,12 +7,15 @@ against the FP16 cache's predictions on the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvguard.architecture import Architecture
+from kvguard.calibration import prefix
 from kvguard.evaluation.metrics import TokenMetrics
 from kvguard.evaluation.scoring import score_simulated
 from kvguard.plan import Plan, StaticScales
@@ -68,25 +71,50 @@ class HeldOut:
         self.references = self.reference.logprobs
         self.reference_nll = self.reference.nll
         self.reference_token_nll = self.reference.token_nll
+        # Per anchor plan (see :meth:`score`), per domain: each decoder layer's input in a pass under it.
+        self._recorded: dict[Plan, dict[str, list[torch.Tensor]]] = {}
 
     @property
     def tokens(self) -> int:
         return sum(int(ids.numel()) for ids in self.streams.values())
 
-    def score(self, plan: Plan, scales: StaticScales | None = None) -> PlanScore:
+    def _record(self, anchor: Plan) -> dict[str, list[torch.Tensor]]:
+        if anchor not in self._recorded:
+            passes = {}
+            for domain, ids in self.streams.items():
+                with prefix.recording(self.model) as seen:
+                    simulate_logits(self.model, ids[:-1], anchor, keep_from=ids.numel() - 2)
+                passes[domain] = seen
+            self._recorded[anchor] = passes
+        return self._recorded[anchor]
+
+    def _resume_point(self, plan: Plan, scales: StaticScales | None,
+                      anchors: Sequence[Plan]) -> tuple[int, dict[str, list[torch.Tensor]] | None]:
+        """The layer to start ``plan``'s passes at and the recorded inputs to start from (``0, None``: a full pass)."""
+        shared = [(prefix.shared_layers(plan, a, scales), a) for a in anchors]
+        layer, anchor = max(shared, key=lambda s: s[0], default=(0, None))
+        layer = min(layer, self.arch.num_layers - 1)  # a plan equal to the anchor still runs its last layer
+        return (layer, self._record(anchor)) if layer > 0 else (0, None)
+
+    def score(self, plan: Plan, scales: StaticScales | None = None, anchors: Sequence[Plan] = ()) -> PlanScore:
         """Simulate ``plan`` on every stream and compare with the FP16 reference.
 
         Predictions before :func:`~kvguard.simulate.first_quantized_query` equal the reference exactly (no
         quantized key is visible yet), so only the later ones go through the output head: the same numbers
-        as scoring every position, for less work (the head dominates for 262k-token vocabularies)."""
+        as scoring every position, for less work (the head dominates for 262k-token vocabularies).
+        ``anchors``: plans (without static scales) that ``plan`` may share leading layers with; a pass under
+        each is recorded once, here, and ``plan``'s passes skip the layers it shares with the closest one
+        (:mod:`kvguard.calibration.prefix`): the same numbers, for less work."""
         kl = agree = weight = 0.0
         increase = {}
+        layer, recorded = self._resume_point(plan, scales, anchors)
         for domain, ids in self.streams.items():
             n = ids.numel() - 1
             start = min(first_quantized_query(plan), n - 1)
             ref = self.references[domain][start:]
             metrics = TokenMetrics()
-            logits = simulate_logits(self.model, ids[:-1], plan, scales, keep_from=start)
+            with prefix.resumed(self.model, layer, recorded[domain][layer]) if recorded else contextlib.nullcontext():
+                logits = simulate_logits(self.model, ids[:-1], plan, scales, keep_from=start)
             for i in range(0, logits.shape[0], _SLICE):
                 metrics.add(logits[i:i + _SLICE], ids[start + 1 + i:start + 1 + i + _SLICE].to(logits.device),
                             ref[i:i + _SLICE])

@@ -13,6 +13,9 @@ With ``rotation``, two more per layer: *alone* at the aggressive tier with the k
 the values rotated (:mod:`kvguard.rotation`). A side is rotated in a layer where that lowered the layer's KL:
 rotation spreads outlier channels over the whole head, which helps most layers below 4 bits but competes with
 the per-channel key grouping that already isolates them.
+
+Every round-1 trial departs from all-FP16 or all-base at one layer, so it starts there, from a pass recorded
+once under that plan (:mod:`kvguard.calibration.prefix`): the same numbers, for about two thirds of the work.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def measure(heldout: HeldOut, cache_config, *, base: Precision | str = Precision
 
     def scores(plans: list[Plan]) -> list[PlanScore]:
         out = []
-        for s in executor.score(heldout, plans):
+        for s in executor.score(heldout, plans, anchors=(fp16, based)):  # each trial starts where it departs
             out.append(s)
             bar.update(1)
         return out
