@@ -251,3 +251,109 @@ def test_positions_whose_sliding_context_is_gone_are_restored_not_refused(monkey
         got_k, got_v = _read(layer, pos)
         for i, p in enumerate(pos.tolist()):
             assert torch.equal(got_k[..., i, :], seen[l][p][0]) and torch.equal(got_v[..., i, :], seen[l][p][1])
+
+
+# ---------------------------------------------------------------- re-encoding history at a promoted tier
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("heads", [("int4", "int4"), ("int4", "fp16")])
+def test_reencoded_history_equals_a_layer_that_stored_the_promoted_tiers_from_the_start(rotate, heads):
+    """INT2 history re-encoded at the promoted tiers reads back bit for bit as if it had been stored so; the
+    window, the sinks and the tokens stored afterwards are untouched, and the error evidence follows."""
+    keys, values = _kv(dim=16, tokens=44)
+    promoted = KVGuardLayer(("int2", "int2"), SMALL, 0, BackingStore(ON))
+    direct = KVGuardLayer(heads, SMALL, 0)
+    for layer in (promoted, direct):
+        layer.set_rotation(rotate, rotate)
+        layer.track_error = True
+        _stream(layer, keys[..., :30, :], values[..., :30, :])
+    before, counted = promoted.nbytes(), list(promoted.quantized_values)
+    promoted.set_precision(heads)
+    assert promoted.reencodable() == (1, 25)  # sinks 1, window 5 of 30 tokens
+    assert promoted.reencode() == 24
+    assert promoted.nbytes() == direct.nbytes() > before
+    assert promoted.quantized_values == counted  # counted once, when first quantized
+    for layer in (promoted, direct):
+        _stream(layer, keys[..., 30:, :], values[..., 30:, :])
+    got, want = promoted.materialize(torch.float32), direct.materialize(torch.float32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(promoted.error_evidence(), direct.error_evidence())
+
+
+def test_reencoding_at_the_same_tiers_changes_nothing_and_the_overlay_still_wins():
+    keys, values = _kv(dim=16, tokens=40)
+    layer = KVGuardLayer("int2", SMALL, 0, BackingStore(ON))
+    layer.track_error = True
+    _stream(layer, keys, values)
+    layer.restore(torch.tensor([9, 13]))
+    k0, v0 = layer.materialize(torch.float32)
+    err0 = layer.error_evidence().clone()
+    bytes0 = layer.nbytes()
+    assert layer.reencode() == 32
+    k1, v1 = layer.materialize(torch.float32)
+    assert torch.equal(k0, k1) and torch.equal(v0, v1) and layer.nbytes() == bytes0
+    assert torch.equal(layer.error_evidence(), err0)  # overlay positions still read at full precision: 0
+    assert float(err0[:, 9].abs().sum()) == 0.0 and float(err0[:, 10].abs().sum()) > 0
+
+
+def test_reencoding_covers_what_the_backing_holds_and_respects_a_byte_limit():
+    keys, values = _kv(dim=16, tokens=40)
+    group = 4 * 2 * 16 * 2 * 2  # one group of 4 tokens, 2 heads, K and V, float16
+    layer = KVGuardLayer("int2", SMALL, 0, BackingStore(BackingConfig(enabled=True, max_bytes=3 * group)))
+    _stream(layer, keys, values)
+    assert layer.reencodable() == (21, 33)  # the 3 newest groups; 1..20 were evicted
+    layer.set_precision("int8")
+    k_old, _ = layer.materialize(torch.float32)
+    assert layer.reencode(max_extra_bytes=0) == 0  # INT8 costs more: refused, nothing changed
+    assert torch.equal(layer.materialize(torch.float32)[0], k_old)
+    assert layer.reencode() == 12
+    k_new, _ = layer.materialize(torch.float32)
+    idx = torch.arange(21, 33) - layer.offset
+    assert torch.equal(k_new[..., :20, :], k_old[..., :20, :])  # evicted history keeps its INT2 codes
+    err = lambda k: float((k[..., idx, :] - keys[..., 21:33, :]).abs().max())
+    assert err(k_new) < err(k_old) / 10
+    assert [run.length for run in layer._runs] == [20, 12]
+
+
+def test_a_promotion_reencodes_the_history_within_the_saving_kept(monkeypatch):
+    """The loop promotes a layer on risk; with a backing tier its history is stored again at the new tier, and
+    the hot cache keeps ``min_saving_kept`` of the plan's saving: room for one layer here, not two."""
+    from kvguard.control import session as session_mod
+    from kvguard.control.policy import Action
+
+    model = tiny_llama()
+    arch = Architecture.from_config(model.config)
+    nan = torch.full((arch.num_layers, arch.num_query_heads, 17), float("nan"))
+    baseline = EntropyBaseline(nan, nan, nan, torch.ones(arch.num_layers, arch.num_query_heads))
+    plan = Plan.uniform(arch, "int2", CacheConfig(residual=8, sinks=2, group_size=8))
+
+    class Risky:  # every layer at risk from the first step
+        def predict(self, features):
+            return torch.ones(features.shape[0])
+
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = {}
+    for kept in (0.0, 0.9):
+        events = []
+        config = MonitorConfig(window_tokens=8, refresh_tokens=8, baseline_tokens=16, promote_steps=1,
+                               warn_drop=1.0, trigger_drop=1.0, heavy_drop=1.0, min_saving_kept=kept)
+        session = LiveSession(model, plan, baseline, backing=ON, classifier=Risky(), config=config,
+                              on_event=events.append)
+        for token in ids:
+            session.step(token)
+        runs[kept] = session, events
+    free, tight = runs[0.0][0], runs[0.9][0]
+    up = [e for e in runs[0.0][1] if e.action is Action.PRECISION_UP]
+    assert up and all(e.reencoded and e.reencoded > 0 for e in up)
+    assert free.summary()["reencoded_positions"] == sum(e.reencoded for e in up)
+    assert "positions of history re-encoded" in describe(up[0].to_json())
+    for layer in free.cache.layers:  # every layer's whole history is INT4 now
+        assert {p.layout.precision.value for run in layer._runs for p in run.parts} == {"int4"}
+    plan_bytes, fp16 = plan.kv_bytes(model.config, len(ids))
+    budget = fp16 - 0.9 * (fp16 - plan_bytes)
+    # The budget is kept at monitoring steps by promotions and demotions; the restored positions' overlay (capped
+    # apart, at 5 % of the positions) comes on top.
+    overlay = sum(layer.overlay_nbytes() for layer in tight.cache.layers)
+    assert tight.cache.nbytes() - overlay <= budget < free.cache.nbytes()
+    assert 0 < tight.summary()["reencoded_positions"] < free.summary()["reencoded_positions"]
+    down = [e for e in runs[0.9][1] if e.action is Action.PRECISION_DOWN]
+    assert down and all(e.alarm.value == "memory_budget" for e in down)

@@ -140,6 +140,19 @@ def test_cat_equals_quantizing_blocks_separately():
     torch.testing.assert_close(joined.dequantize(), expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_keep_front_equals_quantizing_the_front_alone(precision, axis):
+    spec = QuantSpec(precision, axis, group_size=4)
+    x = torch.randn(1, 2, 12, 8, generator=torch.Generator().manual_seed(4))
+    kept = quantize(x, spec).keep_front(8)
+    assert kept.shape == (1, 2, 8, 8) and kept.nbytes == quantize(x[..., :8, :], spec).nbytes
+    torch.testing.assert_close(kept.dequantize(), quantize(x[..., :8, :], spec).dequantize(), atol=0, rtol=0)
+    if axis == "channel":
+        with pytest.raises(ValueError, match="whole groups"):
+            quantize(x, spec).keep_front(6)
+
+
 @pytest.mark.parametrize(
     "precision, floor_db", [("int8", 35.0), ("int4", 15.0), ("int3", 9.0), ("int2", 4.0)]
 )

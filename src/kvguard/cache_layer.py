@@ -18,9 +18,11 @@ A layer stores the tokens it has seen, in order, as::
   :meth:`KVGuardLayer.write_fp`); it wins over the codes when the layer is read.
 - **backing** (optional, off by default): every group ``_store`` quantizes also goes, as the window held it, to
   the cache's :class:`~kvguard.backing.BackingStore` (host memory, a byte cap, oldest first evicted);
-  :meth:`KVGuardLayer.restore` writes those originals back into the overlay bit for bit. Its bytes are not
-  the layer's (``nbytes`` leaves them out; ``backing_nbytes`` reports them). It follows the layer: ``reset``
-  clears it, batch reorders / selections apply to it, a sliding layer drops the groups it drops.
+  :meth:`KVGuardLayer.restore` writes those originals back into the overlay bit for bit, and
+  :meth:`KVGuardLayer.reencode` stores the history again from them in a promoted layout (the one time a token
+  is quantized twice: from its original, never from its codes). Its bytes are not the layer's (``nbytes``
+  leaves them out; ``backing_nbytes`` reports them). It follows the layer: ``reset`` clears it, batch reorders
+  / selections apply to it, a sliding layer drops the groups it drops.
 
 Every tensor is ``[B, H_kv, T, D]`` (batch, KV heads, tokens, head_dim). ``update`` returns the stored past
 (dequantized, overlay applied) followed by the new tokens at the precision the model computed them in.
@@ -249,13 +251,23 @@ class KVGuardLayer(CacheLayerMixin):
         current run."""
         layout = self._layout()
         if not self._runs or self._runs[-1].layout != layout:
-            parts = [self._new_part(pl) for pl in layout]
-            self._runs.append(_Run(layout, parts))
-        run = self._runs[-1]
+            self._runs.append(self._new_run(layout))
+        self._encode_into(self._runs[-1], keys, values, first)
+        self.stored_last_update = True
+        if self.backing is not None and any(pl.key_spec is not None for pl in layout):
+            # keys / values are the window's own tensors (fp_dtype): what the overlay would hold for them.
+            self.backing.put(self.layer_idx, first, keys, values, self.config.group_size)
+
+    def _new_run(self, layout: tuple[_PartLayout, ...]) -> _Run:
+        return _Run(layout, [self._new_part(pl) for pl in layout])
+
+    def _encode_into(self, run: _Run, keys: torch.Tensor, values: torch.Tensor, first: int, *,
+                     track: bool = True) -> None:
+        """Append ``keys`` / ``values`` (``[B, H, n, D]``, whole groups, positions from ``first``) to ``run``,
+        each part encoding its heads in its layout."""
         for part in run.parts:
             pl = part.layout
-            k = keys if len(pl.heads) == self.num_heads else keys.index_select(1, part.index)
-            v = values if len(pl.heads) == self.num_heads else values.index_select(1, part.index)
+            k, v = self._heads(keys, part), self._heads(values, part)
             k_in = rotation.rotate(k, part.rotation) if pl.key_rotated else k
             v_in = rotation.rotate(v, part.rotation) if pl.value_rotated else v
             k_new = self._encode(k_in, pl.key_spec, pl.key_spec and self._static_absmax(self.key_absmax, pl.key_spec, part.index))
@@ -264,13 +276,13 @@ class KVGuardLayer(CacheLayerMixin):
             )
             part.keys = _extend(part.room, "keys", part.keys, k_new)
             part.values = _extend(part.room, "values", part.values, v_new)
-            if self.track_error and pl.key_spec is not None:
+            if track and self.track_error and pl.key_spec is not None:
                 self._track(part, first, (k, v), (_read_new(part, k_new, True), _read_new(part, v_new, False)))
         run.length += keys.shape[-2]
-        self.stored_last_update = True
-        if self.backing is not None and any(pl.key_spec is not None for pl in layout):
-            # keys / values are the window's own tensors (fp_dtype): what the overlay would hold for them.
-            self.backing.put(self.layer_idx, first, keys, values, self.config.group_size)
+
+    def _heads(self, x: torch.Tensor, part: _Part) -> torch.Tensor:
+        """``x`` ``[B, H, n, D]`` restricted to ``part``'s heads ``[B, h, n, D]``."""
+        return x if len(part.layout.heads) == self.num_heads else x.index_select(1, part.index)
 
     def _new_part(self, pl: _PartLayout) -> _Part:
         index = torch.tensor(pl.heads, device=self.device)
@@ -280,15 +292,18 @@ class KVGuardLayer(CacheLayerMixin):
             m = rotation.matrix(self.head_dim, self.num_heads, self.layer_idx).to(self.device).index_select(0, index)
         return _Part(pl, index, rotation=r, rotation_matrix=m)
 
-    def _track(self, part: _Part, first: int, originals, encoded) -> None:
+    def _track(self, part: _Part, first: int, originals, encoded, *, count: bool = True) -> None:
         """Record the evidence a quantization leaves: per-position relative error, values outside the
-        calibrated range, and the running range of what was quantized."""
+        calibrated range, and the running range of what was quantized (``count=False``: the error only, for
+        tokens quantized before)."""
         n = originals[0].shape[-2]
         self._error = _grow(self._error, self.num_heads, first + n, self.device)
         for i, (x, x_read, absmax) in enumerate(zip(originals, encoded, (self.key_absmax, self.value_absmax))):
             x = x.float()
             err = (x_read - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)  # [B, h, n]
             self._error[part.index, first:first + n, i] = err.mean(0)
+            if not count:
+                continue
             amax = x.abs().amax((0, 2))  # [h, D]
             if self.running_absmax[i] is None:
                 self.running_absmax[i] = torch.zeros(self.num_heads, self.head_dim, device=self.device)
@@ -496,11 +511,92 @@ class KVGuardLayer(CacheLayerMixin):
             return torch.zeros(0, dtype=torch.long)
         return self.backing.positions(self.layer_idx)
 
+    def overlay_nbytes(self) -> int:
+        """Bytes of the full-precision overlay and its positions (part of :meth:`nbytes`)."""
+        return sum(_nbytes(t) for t in (self._overlay_pos, self._overlay_k, self._overlay_v))
+
     def overlay_positions(self) -> torch.Tensor:
         """Absolute positions currently served from the full-precision overlay."""
         if self._overlay_pos is None:
             return torch.zeros(0, dtype=torch.long)
         return self._overlay_pos.clone()
+
+    # ------------------------------------------------------------------ escalation from the backing tier
+    def reencodable(self) -> tuple[int, int]:
+        """``(first, end)``: the stretch of quantized history, ending where the window starts, whose originals the
+        backing tier holds (``first == end``: none). Eviction takes the oldest groups first, so it is the
+        whole history until the tier's cap is reached."""
+        end = self.window_start() if self.is_initialized else 0
+        held = self.backed_positions()
+        if not self._runs or held.numel() == 0 or int(held[-1]) != end - 1:
+            return end, end
+        n = held.numel()
+        gaps = (held != torch.arange(end - n, end)).nonzero()  # positions before the last gap are not contiguous
+        return (end - n if gaps.numel() == 0 else int(held[int(gaps[-1]) + 1])), end
+
+    def reencode(self, max_extra_bytes: int | None = None) -> int:
+        """Store the backed stretch of history (:meth:`reencodable`) again, from its originals, in the layout new
+        tokens get now (after ``set_precision`` promoted the layer, say). Returns the positions re-encoded: 0
+        when nothing is held, or when it would add more than ``max_extra_bytes`` bytes (then nothing changes).
+
+        This is the one place a token is quantized a second time, and it is quantized from its original, never
+        from its codes, so no error compounds; heads whose layout did not change get the same codes again (the
+        groups start at the same positions). The overlay still wins over the new codes."""
+        first, end = self.reencodable()
+        if first == end:
+            return 0
+        originals = self.backing.restore(self.layer_idx, torch.arange(first, end), self.device)
+        run = self._new_run(self._layout())
+        self._encode_into(run, originals.keys, originals.values, first, track=False)
+        extra = run_nbytes(run) - self._history_nbytes_from(first)
+        if max_extra_bytes is not None and extra > max_extra_bytes:
+            return 0
+        self._cut_history(first)
+        self._runs.append(run)
+        if self.track_error:
+            self._retrack(run, first, originals.keys, originals.values)
+        return end - first
+
+    def _history_nbytes_from(self, first: int) -> int:
+        """Bytes of the stored runs' tokens at absolute positions ``first`` and later (a run's bytes shared out
+        per token: a calibrated INT8 scale, shared by every token, is counted pro rata)."""
+        total, pos = 0, self.offset + self._sinks_k.shape[-2]
+        for run in self._runs:
+            overlap = pos + run.length - max(pos, first)
+            if overlap > 0 and run.length:
+                total += run_nbytes(run) * min(overlap, run.length) // run.length
+            pos += run.length
+        return total
+
+    def _cut_history(self, first: int) -> None:
+        """Forget the stored runs' tokens from absolute position ``first`` (a group boundary) on."""
+        pos, kept = self.offset + self._sinks_k.shape[-2], []
+        for run in self._runs:
+            keep, length = min(run.length, max(0, first - pos)), run.length
+            if 0 < keep < length:
+                for part in run.parts:
+                    part.keys, part.values = _keep(part.keys, keep), _keep(part.values, keep)
+                    part.room = {}  # a cut run takes no more tokens: the new run comes after it
+                run.length = keep
+            if keep:
+                kept.append(run)
+            pos += length
+        self._runs = kept
+
+    def _retrack(self, run: _Run, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The error evidence of re-encoded positions: what their new codes read back (0 for full-precision
+        heads and for overlay positions, which are read at full precision)."""
+        n = keys.shape[-2]
+        self._error = _grow(self._error, self.num_heads, first + n, self.device)
+        self._error[:, first:first + n] = 0.0
+        for part in run.parts:
+            if part.layout.key_spec is not None:
+                k, v = self._heads(keys, part), self._heads(values, part)
+                read = (_read(part, True, torch.float32), _read(part, False, torch.float32))
+                self._track(part, first, (k, v), read, count=False)
+        if self._overlay_pos is not None and self._overlay_pos.numel():
+            held = self._overlay_pos[self._overlay_pos < self._error.shape[1]]
+            self._error[:, held] = 0.0
 
     # ------------------------------------------------------------------ memory
     def nbytes(self) -> int:
@@ -508,12 +604,22 @@ class KVGuardLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         total = sum(_nbytes(t) for t in (self._sinks_k, self._sinks_v, self._win_k, self._win_v))
-        total += sum(part.nbytes() for run in self._runs for part in run.parts)
-        total += sum(_nbytes(t) for t in (self._overlay_pos, self._overlay_k, self._overlay_v))
+        return total + self.overlay_nbytes() + self.history_nbytes()
+
+    def history_nbytes(self) -> int:
+        """Bytes of the stored runs (codes, scales, zero points, full-precision heads) and their rotation signs:
+        the part of :meth:`nbytes` a plan's tiers decide (the sinks, window and overlay are not)."""
+        if not self.is_initialized:
+            return 0
+        total = sum(run_nbytes(run) for run in self._runs)
         # A rotated side costs its sign bits (rebuilt here from a seed; an engine without it would store them).
         sides = {side for run in self._runs for part in run.parts
                  for side, on in (("k", part.layout.key_rotated), ("v", part.layout.value_rotated)) if on}
         return total + len(sides) * rotation.sign_bytes(self.head_dim, self.num_heads)
+
+    def history_tokens(self) -> int:
+        """Tokens held in the stored runs (between the sinks and the window)."""
+        return sum(run.length for run in self._runs)
 
     def backing_nbytes(self) -> int:
         """Bytes of this layer's originals in the backing tier (not part of ``nbytes``)."""
@@ -713,6 +819,15 @@ def _read(part: _Part, keys: bool, dtype: torch.dtype) -> torch.Tensor:
     if not rotated:
         return _decode(stored, dtype)
     return rotation.unrotate(_decode(stored, torch.float32), part.rotation).to(dtype)
+
+
+def run_nbytes(run: _Run) -> int:
+    """Bytes of a run's codes, scales, zero points (and full-precision heads)."""
+    return sum(part.nbytes() for part in run.parts)
+
+
+def _keep(t, tokens: int):
+    return t.keep_front(tokens) if isinstance(t, QuantizedTensor) else t[..., :tokens, :]
 
 
 def _drop(t, tokens: int):

@@ -87,10 +87,14 @@ class MonitorConfig:
             hysteresis on the risk classifier's output: ``promote_steps`` steps in a row at or above
             ``promote_risk`` (or, while some layer is there, at or above ``promote_layer_risk``) promote a
             layer one tier for new tokens; ``demote_steps`` steps at or below ``demote_risk`` demote it
-            one tier, never below the plan; at most ``max_promotion_tiers`` tiers above the plan (promoting
-            changes only new tokens, while the risk also reflects the old ones: without a cap a layer would
-            climb to FP16 on the strength of tokens promotion cannot fix). A promotion also recomputes the
-            layer's top positions.
+            one tier, never below the plan; at most ``max_promotion_tiers`` tiers above the plan (the risk
+            reflects old tokens too, which a promotion fixes only as far as the backing tier holds them: without
+            a cap a layer would climb to FP16 on the strength of tokens it cannot fix). A promotion also restores
+            or recomputes the layer's top positions.
+        reencode_history, min_saving_kept: with a backing tier (:mod:`kvguard.backing`), a promotion also
+            stores the layer's history again at the promoted tiers, from the originals the tier holds, as long
+            as the hot cache keeps at least ``min_saving_kept`` of the memory the plan saves (at the same
+            length); past that, promotions change new tokens only.
         cooldown_steps: steps without a severe alarm before the ladder steps down from level 1; doubles with
             every level.
         layers: the monitored layers (``None``: all).
@@ -114,6 +118,8 @@ class MonitorConfig:
     demote_steps: int = 32
     max_promotion_tiers: int = 1
     cooldown_steps: int = 4
+    reencode_history: bool = True
+    min_saving_kept: float = 0.8
     layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -128,6 +134,8 @@ class MonitorConfig:
                      "demote_risk"):
             if not 0.0 < float(getattr(self, name)) <= 1.0:
                 raise ValueError(f"monitor setting {name} must be in (0, 1], got {getattr(self, name)}")
+        if not 0.0 <= float(self.min_saving_kept) <= 1.0:
+            raise ValueError(f"monitor setting min_saving_kept must be in [0, 1], got {self.min_saving_kept}")
         lo, hi = self.recompute_fraction if len(self.recompute_fraction) == 2 else (None, None)
         if lo is None or not 0.0 < lo <= hi <= 1.0:
             raise ValueError(f"recompute_fraction must be [base, max] with 0 < base <= max <= 1, got {self.recompute_fraction}")

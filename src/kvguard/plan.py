@@ -93,12 +93,51 @@ class Plan:
         if scales is not None:
             scales.check(arch)
         cache = KVGuardCache(arch, [lp.uniform or lp.precision for lp in self.layers], self.cache, backing)
-        for i, (layer, lp) in enumerate(zip(cache.layers, self.layers)):
-            layer.set_clip(lp.key_clip, lp.value_clip)
-            layer.set_rotation(lp.key_rotation, lp.value_rotation)
-            if scales is not None:
-                layer.set_static_scales(scales.key_absmax[i], scales.value_absmax[i])
+        for i, layer in enumerate(cache.layers):
+            self._configure(layer, i, scales)
         return cache
+
+    def _configure(self, layer, index: int, scales: StaticScales | None) -> None:
+        lp = self.layers[index]
+        layer.set_clip(lp.key_clip, lp.value_clip)
+        layer.set_rotation(lp.key_rotation, lp.value_rotation)
+        if scales is not None:
+            layer.set_static_scales(scales.key_absmax[index], scales.value_absmax[index])
+
+    def history_costs(self, model_config, scales: StaticScales | None = None) -> tuple[tuple[int, int], ...]:
+        """Per layer ``(first, more)``: the bytes the first group of one sequence's quantized history takes in
+        this plan's layout (codes, scales, zero points, rotation signs), and each group after it. Affine in the
+        groups, not linear: a calibrated INT8 scale and the rotation signs are stored once. With them, what this
+        plan would store for any token count is known without quantizing anything
+        (``KVGuardLayer.history_nbytes`` is what a cache stores)."""
+        from kvguard.cache_layer import KVGuardLayer
+
+        arch = Architecture.from_config(model_config)
+        self.check(arch)
+        c = self.cache
+        costs = []
+        for i, lp in enumerate(self.layers):
+            sizes = []
+            for groups in (1, 2):
+                layer = KVGuardLayer(lp.uniform or lp.precision, c, i)
+                self._configure(layer, i, scales)
+                # sinks, then the window, then exactly `groups` groups leave it
+                zeros = torch.zeros(1, arch.num_kv_heads, c.sinks + c.residual + groups * c.group_size, arch.head_dim)
+                layer.update(zeros, zeros)
+                sizes.append(layer.history_nbytes())
+            costs.append((sizes[0], sizes[1] - sizes[0]))
+        return tuple(costs)
+
+    def kv_bytes(self, model_config, tokens: int, scales: StaticScales | None = None) -> tuple[int, int]:
+        """``(stored bytes, FP16 bytes of the same shape)`` of a cache built from this plan after ``tokens`` tokens
+        of one sequence, without running the model: the stored sizes depend only on shapes, so zeros of the right
+        shape are fed through the layers."""
+        arch = Architecture.from_config(model_config)
+        cache = self.make_cache(model_config, scales)
+        zeros = torch.zeros(1, arch.num_kv_heads, tokens, arch.head_dim)
+        for idx in range(arch.num_layers):
+            cache.update(zeros, zeros, idx)
+        return cache.nbytes(), cache.fp16_nbytes()
 
     def with_rotation(self, keys: bool, values: bool) -> "Plan":
         """This plan with every layer's key / value rotation set."""

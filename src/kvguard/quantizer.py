@@ -168,6 +168,21 @@ class QuantizedTensor:
             zero = None if zero is None else zero[..., cut:, :]
         return QuantizedTensor(qdata, scale, zero, spec, (*self.shape[:-2], self.shape[-2] - tokens, self.shape[-1]))
 
+    def keep_front(self, tokens: int) -> "QuantizedTensor":
+        """The same data restricted to its first ``tokens`` tokens (whole groups for ``Axis.CHANNEL``)."""
+        spec = self.spec
+        if spec.axis is Axis.CHANNEL and tokens % spec.group_size:
+            raise ValueError(f"can only keep whole groups of {spec.group_size} tokens, not {tokens}")
+        if not 0 <= tokens <= self.shape[-2]:
+            raise ValueError(f"cannot keep {tokens} of {self.shape[-2]} tokens")
+        qdata = self.qdata[..., :tokens, :]
+        scale, zero = self.scale, self.zero_point
+        if not spec.static:
+            cut = tokens // spec.group_size if spec.axis is Axis.CHANNEL else tokens
+            scale = scale[..., :cut, :]
+            zero = None if zero is None else zero[..., :cut, :]
+        return QuantizedTensor(qdata, scale, zero, spec, (*self.shape[:-2], tokens, self.shape[-1]))
+
     def map_batch(self, fn) -> "QuantizedTensor":
         """Apply ``fn`` (a batch-axis operation such as ``index_select(0, ...)``) to every per-sequence tensor."""
         qdata = fn(self.qdata)

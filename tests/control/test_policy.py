@@ -112,6 +112,23 @@ def test_risk_promotes_after_promote_steps_within_one_tier_and_demotes_slowly():
     assert state.demotions[:2] == (1, 1)
 
 
+def test_promotions_wait_for_headroom_and_over_budget_the_least_risky_promoted_layer_steps_down():
+    cfg = MonitorConfig(promote_steps=1)
+    high = (0.95, 0.95, 0.1)
+    full = decide(cfg, _state(), Window((0.0,) * 3, (0,) * 3, (True,) * 3, high, headroom=0.0))
+    assert full.decisions == () and not full.acted  # no room: nothing is promoted
+    room = decide(cfg, _state(), Window((0.0,) * 3, (0,) * 3, (True,) * 3, high, headroom=0.05))
+    assert [d.layers for d in room.decisions if d.action is Action.PRECISION_UP] == [(0,), (1,)]
+    over = Window((0.0,) * 3, (0,) * 3, (True,) * 3, (0.95, 0.92, 0.1), headroom=-0.01)
+    step = decide(cfg, room.state, over)
+    assert _actions(step) == [(Action.PRECISION_DOWN, Alarm.BUDGET, (1,))] and step.acted
+    assert step.state.tiers[1] == step.state.floor[1] and step.state.tiers[0] == (INT8, INT8)
+    step = decide(cfg, step.state, over)
+    assert _actions(step) == [(Action.PRECISION_DOWN, Alarm.BUDGET, (0,))]
+    assert step.state.tiers == step.state.floor
+    assert decide(cfg, step.state, over).decisions == ()  # nothing left to demote
+
+
 def test_trigger_rate_recommends_recalibration_once():
     cfg = MonitorConfig(trigger_rate_steps=40, max_trigger_rate=0.05)
     state, recommended = _state(), 0

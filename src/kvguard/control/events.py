@@ -31,6 +31,7 @@ class Event:
     positions: int = 0
     ms: float = 0.0
     restored: int | None = None  # compensation with a backing tier: (layer, position) pairs restored exactly
+    reencoded: int | None = None  # promotion with a backing tier: history positions stored again at the new tier
     previous_level: int | None = None
     precision: tuple[str, ...] | None = None
     cooldown_steps: int | None = None
@@ -72,6 +73,7 @@ class Counters:
     severe: int = 0
     recomputed_positions: int = 0  # (layer, position) pairs recomputed and written at full precision
     restored_positions: int = 0  # (layer, position) pairs restored bit for bit from the backing tier
+    reencoded_positions: int = 0  # (layer, position) pairs of history stored again at a promoted tier
     recompute_ms: float = 0.0
     max_level: int = 0
     recalibration_recommended: bool = False
@@ -119,6 +121,8 @@ def describe(record: dict) -> str:
     if record.get("precision"):
         tiers = sorted(set(record["precision"]))
         text += f": now {'/'.join(tiers)}"
+        if record.get("reencoded"):
+            text += f", {record['reencoded']} positions of history re-encoded from the backing tier"
     previous = record.get("previous_level")
     if previous is not None and previous != record["level"]:
         text += f"; rollback level {previous} -> {record['level']}"

@@ -21,6 +21,8 @@ The rules (defaults from :class:`~kvguard.config.MonitorConfig`):
   while some layer is at ``promote_risk``) promote a layer one tier for new tokens, at most
   ``max_promotion_tiers`` above the plan, and recompute its top positions; ``demote_steps * 2**demotions``
   steps at or below ``demote_risk`` demote it one tier, never below the plan.
+- **memory budget**: promotions wait while the hot cache has no room left under ``min_saving_kept`` of the
+  plan's saving (``Window.headroom``); past it, the promoted layer at the lowest risk is demoted one tier a step.
 - **trigger rate**: more than ``max_trigger_rate`` of the last ``trigger_rate_steps`` steps acting (once at
   least 32 were seen) recommends recalibration, once.
 """
@@ -46,6 +48,7 @@ class Alarm(str, Enum):
     SEVERE = "severe"
     NONFINITE = "nonfinite"
     RISK = "risk"
+    BUDGET = "memory_budget"
     COOLDOWN = "cooldown"
     TRIGGER_RATE = "trigger_rate"
 
@@ -89,6 +92,9 @@ class Window:
         monitored: which layers' alarms count.
         risk: the risk classifier's output (0 where not monitored), or ``None`` without a classifier.
         nonfinite: a NaN / Inf was read since the last step.
+        headroom: what the hot cache may still grow by under the loop's memory budget (it keeps
+            ``min_saving_kept`` of the plan's saving), as a fraction of the FP16 bytes; negative: over it;
+            ``None``: no budget.
     """
 
     drop: tuple[float, ...]
@@ -96,6 +102,7 @@ class Window:
     monitored: tuple[bool, ...]
     risk: tuple[float, ...] | None = None
     nonfinite: bool = False
+    headroom: float | None = None
 
     def __post_init__(self) -> None:
         n = len(self.drop)
@@ -281,7 +288,7 @@ def decide(config: MonitorConfig, state: PolicyState, window: Window) -> Step:
             work.compensate(Action.LIGHT, Alarm.WARNING if warn else Alarm.TRIGGER, sorted(set(warn) | set(trig)))
         acted = True
     if window.risk is not None and work.level < MAX_LEVEL:
-        acted |= _dynamic_precision(work, window.risk)
+        acted |= _dynamic_precision(work, window.risk, window.headroom)
     acted |= _cool_down(work)
     _count_rate(work, acted)
     return Step(work.freeze(), tuple(work.decisions), bool(warn) and not (window.nonfinite or severe),
@@ -336,17 +343,18 @@ def _raise(precision: Precision, tiers: int) -> Precision:
     return precision
 
 
-def _dynamic_precision(work: _Work, risk: Sequence[float]) -> bool:
+def _dynamic_precision(work: _Work, risk: Sequence[float], headroom: float | None = None) -> bool:
     cfg = work.config
     acted = False
     alarm = max(risk) >= cfg.promote_risk  # the sequence is at risk: look at every elevated layer
+    room = headroom is None or headroom > 0
     for l, r in enumerate(risk):
         elevated = r >= cfg.promote_risk or (alarm and r >= cfg.promote_layer_risk)
         work.high[l] = work.high[l] + 1 if elevated else 0
         work.low[l] = work.low[l] + 1 if r <= cfg.demote_risk else 0
         heads, floor = work.tiers[l], work.state.floor[l]
         ceiling = [_raise(f, cfg.max_promotion_tiers) for f in floor]
-        if work.high[l] >= cfg.promote_steps and any(p.bits < c.bits for p, c in zip(heads, ceiling)):
+        if room and work.high[l] >= cfg.promote_steps and any(p.bits < c.bits for p, c in zip(heads, ceiling)):
             work.tiers[l] = tuple(_up(p) if p.bits < c.bits else p for p, c in zip(heads, ceiling))
             work.high[l] = 0
             work.decisions.append(Decision(Action.PRECISION_UP, Alarm.RISK, (l,), work.level,
@@ -363,7 +371,24 @@ def _dynamic_precision(work: _Work, risk: Sequence[float]) -> bool:
             work.decisions.append(Decision(Action.PRECISION_DOWN, Alarm.RISK, (l,), work.level,
                                            precision=work.tiers[l], risk=float(r)))
             acted = True
+    if headroom is not None and headroom < 0:
+        acted |= _over_budget(work, risk)
     return acted
+
+
+def _over_budget(work: _Work, risk: Sequence[float]) -> bool:
+    """Over the memory budget: the promoted layer at the lowest risk goes back one tier for new tokens (one a
+    step, so the cache's growth slows down before it stops)."""
+    promoted = [l for l in range(work.state.num_layers)
+                if any(p.bits > f.bits for p, f in zip(work.tiers[l], work.state.floor[l]))]
+    if not promoted:
+        return False
+    l = min(promoted, key=lambda i: (risk[i], i))
+    work.tiers[l] = tuple(_down(p) if p.bits > f.bits else p for p, f in zip(work.tiers[l], work.state.floor[l]))
+    work.low[l] = 0
+    work.decisions.append(Decision(Action.PRECISION_DOWN, Alarm.BUDGET, (l,), work.level, precision=work.tiers[l],
+                                   risk=float(risk[l])))
+    return True
 
 
 def _count_rate(work: _Work, acted: bool) -> None:

@@ -94,6 +94,7 @@ class LiveSession:
         self.start_step = plan.cache.sinks + plan.cache.residual + plan.cache.group_size
         self.rolled_back_at: int | None = None
         self._since_step = 0
+        self._plan_costs = plan.history_costs(model.config, scales)  # what the plan stores, for the memory budget
 
     @classmethod
     def from_profile(cls, model, profile, plan: Plan | None = None, *, monitor_overrides: dict | None = None,
@@ -170,7 +171,7 @@ class LiveSession:
             risk = torch.where(monitored, self.classifier.predict(self.monitor.features()), torch.zeros(()))
         window = Window(tuple(drop.tolist()), tuple(int(c) for c in self.monitor.consecutive.tolist()),
                         tuple(bool(m) for m in monitored.tolist()), None if risk is None else tuple(risk.tolist()),
-                        bool(self.monitor.nonfinite))
+                        bool(self.monitor.nonfinite), None if risk is None else self._headroom())
         return window, drop, entropy
 
     def _monitoring_step(self) -> None:
@@ -195,7 +196,7 @@ class LiveSession:
 
     def _carry_out(self, decision: Decision, window: Window, entropy: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        positions, restored = 0, None
+        positions, restored, reencoded = 0, None, None
         c = self.counters
         if decision.action.recomputes:
             selected = select_positions(self.cache, self.monitor, decision.layers, self.length, decision.fraction,
@@ -206,6 +207,8 @@ class LiveSession:
                 c.restored_positions += restored
                 c.recomputed_positions += recomputed
             positions = int(selected.numel())
+        elif decision.action is Action.PRECISION_UP:
+            reencoded = self._reencode(decision.layers)
         elif decision.action is Action.ROLLBACK_FULL:
             self.rollback_full()
         c.max_level = max(c.max_level, decision.level)
@@ -213,7 +216,38 @@ class LiveSession:
         ms = 1000 * (time.perf_counter() - t0)
         if decision.action.recomputes:
             c.recompute_ms += ms
-        self._event(decision, window, entropy, positions, ms, restored if self.cache.backing is not None else None)
+        self._event(decision, window, entropy, positions, ms, restored if self.cache.backing is not None else None,
+                    reencoded)
+
+    def _reencode(self, layers: tuple[int, ...]) -> int | None:
+        """Store the promoted ``layers``' history again at their new tiers from the backing tier's originals, while
+        the hot cache keeps ``min_saving_kept`` of the plan's saving; returns the positions re-encoded
+        (``None``: no backing tier, or re-encoding is off)."""
+        if self.cache.backing is None or not self.config.reencode_history:
+            return None
+        self._apply_precisions()  # the promoted tiers, before the history is stored in them
+        reencoded = 0
+        for l in layers:
+            n = self.cache.reencode(l, self._byte_room())
+            reencoded += n
+            self.counters.reencoded_positions += n
+        return reencoded
+
+    def _byte_room(self) -> int:
+        """Bytes the hot cache may still grow by and keep ``min_saving_kept`` of the memory the plan saves at this
+        length: the plan's bytes are the cache's own with each layer's history (and no overlay) priced in the
+        plan's layout (:meth:`~kvguard.plan.Plan.history_costs`)."""
+        stored, fp16 = self.cache.nbytes(), self.cache.fp16_nbytes()
+        plan = stored
+        for layer, (first, more) in zip(self.cache.layers, self._plan_costs):
+            groups = layer.history_tokens() // self.plan.cache.group_size
+            plan += (first + (groups - 1) * more if groups else 0) - layer.history_nbytes() - layer.overlay_nbytes()
+        return int(fp16 - self.config.min_saving_kept * (fp16 - plan)) - stored
+
+    def _headroom(self) -> float:
+        """:meth:`_byte_room` as a fraction of the FP16 bytes (the policy's ``Window.headroom``)."""
+        fp16 = self.cache.fp16_nbytes()
+        return self._byte_room() / fp16 if fp16 else 0.0
 
     @torch.no_grad()
     def rollback_full(self) -> None:
@@ -235,7 +269,7 @@ class LiveSession:
 
     # ---------------------------------------------------------------- log and summary
     def _event(self, decision: Decision, window: Window, entropy: torch.Tensor, positions: int, ms: float,
-               restored: int | None = None) -> None:
+               restored: int | None = None, reencoded: int | None = None) -> None:
         layers = decision.layers
         drop = [window.drop[l] for l in layers]
         baseline = [float(entropy[l]) / max(1e-6, 1 - d) if d < 1 else None for l, d in zip(layers, drop)]
@@ -246,7 +280,7 @@ class LiveSession:
             baseline=tuple(None if b is None else round(b, 5) for b in baseline),
             drop=tuple(round(d, 5) for d in drop),
             risk=None if window.risk is None else tuple(round(window.risk[l], 5) for l in layers),
-            positions=positions, ms=ms, restored=restored, previous_level=decision.previous_level,
+            positions=positions, ms=ms, restored=restored, reencoded=reencoded, previous_level=decision.previous_level,
             precision=None if decision.precision is None else tuple(p.value for p in decision.precision),
             cooldown_steps=decision.cooldown_steps, trigger_rate=decision.trigger_rate, steps=decision.steps)
         self.counters.count(decision.action)
@@ -288,6 +322,7 @@ class LiveSession:
             "actions": c.actions_json(),
             "recomputed_positions": c.recomputed_positions,
             "restored_positions": c.restored_positions,
+            "reencoded_positions": c.reencoded_positions,
             "backing_bytes": self.cache.backing_bytes(),
             "recompute_fraction": self.recompute_fraction(),
             "recompute_ms": round(c.recompute_ms, 3),

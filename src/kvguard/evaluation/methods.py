@@ -25,7 +25,9 @@
   the embedded model's GGUF (:mod:`kvguard.evaluation.llamacpp`); their deltas are against ``llamacpp-f16``.
 - ``kvguard-live``: that plan decoded under the run-time feedback loop (:mod:`kvguard.control.session`);
   ``kvguard-live:<static method>`` runs the loop over another plan (e.g. ``kvguard-live:int2``) with the
-  profile's baseline, classifier and thresholds. Needs ``--profile``; always streamed token by token.
+  profile's baseline, classifier and thresholds, and a backing tier (:mod:`kvguard.backing`, 256 MiB) so that
+  compensation restores the original K/V and a promotion re-encodes the layer's history. Needs ``--profile``;
+  always streamed token by token.
 
 Static methods (a :class:`~kvguard.plan.Plan`) can be scored by the fast simulation, the ``fp8`` methods by one
 pass over the stream (their cache is chunk-invariant); peers always stream, llama.cpp in ``--chunk`` tokens.
@@ -36,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvguard.backing import BackingConfig
 from kvguard.config import CacheConfig
 from kvguard.fp8 import FP8Scales, Granularity, Rounding, fp8_scales
 from kvguard.architecture import Architecture
@@ -68,6 +71,7 @@ class Method:
     scales: StaticScales | None = None
     profile: object = None  # the calibration profile of live methods
     live: bool = False
+    backing: BackingConfig | None = None  # the backing tier of live methods' sessions
     fp8: FP8Scales | None = None
     token_head: TokenHeadFormat | None = None
     llamacpp: llamacpp.KVSpec | None = None
@@ -95,6 +99,7 @@ class Method:
         if not self.live:
             raise ValueError(f"method {self.name!r} does not run the feedback loop")
         plan = self.plan(Architecture.from_config(model.config))
+        kwargs.setdefault("backing", self.backing)
         return LiveSession.from_profile(model, self.profile, plan=plan, **kwargs)
 
     def make_cache(self, model):
@@ -260,7 +265,8 @@ def live_method(name: str, profile) -> Method:
     if not base.simulatable:
         raise ValueError(f"{name!r}: the loop runs over a kvguard plan; {base_name!r} is not one ({base.description})")
     return Method(name, f"feedback loop over {base_name} (entropy monitor, selective recomputation, dynamic "
-                        f"precision, rollback)", base.plan, scales=profile.static_scales(), profile=profile, live=True)
+                        f"precision, rollback; backing tier)", base.plan, scales=profile.static_scales(), profile=profile,
+                  live=True, backing=BackingConfig(enabled=True))
 
 
 def kv_bytes(cache) -> tuple[int, int]:
@@ -273,13 +279,6 @@ def kv_bytes(cache) -> tuple[int, int]:
 
 
 def static_kv_bytes(plan: Plan, model_config, tokens: int, scales: StaticScales | None = None) -> tuple[int, int]:
-    """``kv_bytes`` of a cache built from ``plan`` after ``tokens`` tokens, without running the model: the
-    stored sizes depend only on shapes, so zeros of the right shape are fed through the layers."""
-    import torch
-
-    arch = Architecture.from_config(model_config)
-    cache = plan.make_cache(model_config, scales)
-    zeros = torch.zeros(1, arch.num_kv_heads, tokens, arch.head_dim)
-    for idx in range(arch.num_layers):
-        cache.update(zeros, zeros, idx)
-    return cache.nbytes(), cache.fp16_nbytes()
+    """``kv_bytes`` of a cache built from ``plan`` after ``tokens`` tokens, without running the model
+    (:meth:`Plan.kv_bytes`)."""
+    return plan.kv_bytes(model_config, tokens, scales)
