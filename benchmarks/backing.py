@@ -1,13 +1,25 @@
-"""Restore or recompute? The live loop over a static plan, with and without the backing tier, on one text.
+"""Restore, recompute, re-encode? The live loop over a static plan, with and without the backing tier.
 
-    .venv/bin/python benchmarks/backing.py --model smollm2-135m --profile P [--base int2] [--corpus prose]
-        [--tokens 2048] [--cap-mib 256] [--json F]
+    .venv/bin/python benchmarks/backing.py --model smollm2-135m --profile P [--base kvguard@0.22]
+        [--corpus prose,code,dialog] [--tokens 2048] [--cap-mib 256] [--variants recompute,restore,reencode]
+        [--json F]
 
-Scores, side by side on the same evaluation-split tokens: ``fp16`` (the reference), ``<base>`` (no loop),
-``kvguard-live:<base>`` as it is (compensation recomputes against the quantized past), and the same loop with
-a backing tier of ``--cap-mib`` MiB (compensation restores the original K/V where the tier holds them,
-:mod:`kvguard.backing`). ``gap_recovered`` is the share of the base plan's KL (and of its perplexity excess over
-``fp16``) the loop takes back. Thresholds come from the profile; nothing is tuned here.
+Scores, side by side on the same evaluation-split tokens of each corpus: ``fp16`` (the reference), ``<base>``
+(no loop), and the loop ``kvguard-live:<base>`` in up to three variants, the ablation of what the backing tier
+(:mod:`kvguard.backing`) adds:
+
+- ``recompute``: no backing tier; compensation recomputes against the quantized past, a promotion changes the
+  tier of new tokens only;
+- ``restore``: a backing tier of ``--cap-mib`` MiB; compensation restores the original K/V where it holds them;
+  promotions still change new tokens only (``reencode_history=False``);
+- ``reencode``: the same tier, and a promotion also stores the layer's history again at its new tier from the
+  originals, within the memory budget (the default loop).
+
+``kl_gap_recovered`` is the share of the base plan's KL (and ``ppl_gap_recovered`` of its perplexity excess
+over ``fp16``) the loop takes back; ``fp_share`` the (layer, position) pairs held at full precision by
+restoring or recomputing; ``reencoded_share`` the (layer, position) pairs whose history was stored again;
+``saving_kept`` the share of the base plan's memory saving the hot cache keeps. Thresholds come from the
+profile; nothing is tuned here.
 """
 
 from __future__ import annotations
@@ -16,65 +28,94 @@ import argparse
 import json
 import sys
 
+VARIANTS = ("recompute", "restore", "reencode")
+COLUMNS = ["corpus", "method", "ppl", "kl", "top1_agree", "kl_gap_recovered", "ppl_gap_recovered", "fp_share",
+           "reencoded_share", "kv_bytes_ratio", "saving_kept", "backing_mib", "trigger_rate", "tok_s"]
+
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     from kvguard import data, models
-    from kvguard.architecture import Architecture
-    from kvguard.backing import BackingConfig
-    from kvguard.evaluation import methods
-    from kvguard.evaluation.scoring import score_live, score_simulated
-    from kvguard.plan import Plan
     from kvguard.profile import Profile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--profile", required=True)
-    parser.add_argument("--base", default="int2", help="the static method the loop runs over")
-    parser.add_argument("--corpus", default="prose")
+    parser.add_argument("--base", default="kvguard@0.22", help="the static method the loop runs over")
+    parser.add_argument("--corpus", default="prose,code,dialog")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--cap-mib", type=float, default=256.0, help="the backing tier's byte cap, in MiB")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
 
     model, tok = models.load(args.model)
     profile = Profile.load(args.profile, model)
-    ids = data.token_stream(args.corpus, "eval", tok, args.tokens)
+    print(f"{args.model}, {args.tokens} tokens per corpus, loop over {args.base}, profile {args.profile}", flush=True)
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS), flush=True)
+    rows = []
+    for corpus in args.corpus.split(","):
+        ids = data.token_stream(corpus, "eval", tok, args.tokens)
+        for row in corpus_rows(model, profile, ids, args.base, variants, args.cap_mib):
+            row["corpus"] = corpus
+            rows.append(row)
+            print("| " + " | ".join(_fmt(row.get(c)) for c in COLUMNS) + " |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "base": args.base, "tokens": args.tokens, "cap_mib": args.cap_mib,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+def corpus_rows(model, profile, ids, base_name: str, variants: list[str], cap_mib: float) -> list[dict]:
+    """The reference, the base plan and each loop variant on one token stream."""
+    import torch
+
+    from kvguard.architecture import Architecture
+    from kvguard.backing import BackingConfig
+    from kvguard.evaluation import methods
+    from kvguard.evaluation.scoring import score_live, score_simulated
+    from kvguard.plan import Plan
+
     arch = Architecture.from_config(model.config)
     fp16 = score_simulated(model, ids, Plan.uniform(arch, "fp16", profile.plan.cache), keep_logits=True)
     reference = torch.log_softmax(fp16.logits, dim=-1)
-    base = methods.get(args.base, profile)
-    static = score_simulated(model, ids, base.plan(arch), reference=reference, scales=base.scales)
-    live = methods.get(f"kvguard-live:{args.base}", profile)
-    rows = [{"method": "fp16", "ppl": fp16.perplexity, "kl": 0.0},
-            {"method": args.base, "ppl": static.perplexity, "kl": static.kl}]
-    backing = BackingConfig(enabled=True, max_bytes=int(args.cap_mib * 2**20))
-    for name, kwargs in ((f"kvguard-live:{args.base} (recompute)", {}),
-                         (f"kvguard-live:{args.base} (restore, {args.cap_mib:g} MiB)", {"backing": backing})):
-        session = live.session(model, sequence_id=name, **kwargs)
+    base = methods.get(base_name, profile)
+    plan = base.plan(arch)
+    static = score_simulated(model, ids, plan, reference=reference, scales=base.scales)
+    stored, full = plan.kv_bytes(model.config, ids.numel() - 1, base.scales)
+    rows = [{"method": "fp16", "ppl": fp16.perplexity, "kl": 0.0, "top1_agree": 1.0},
+            {"method": base_name, "ppl": static.perplexity, "kl": static.kl, "top1_agree": static.top1_agree,
+             "kv_bytes_ratio": stored / full, "saving_kept": 1.0}]
+    live = methods.get(f"kvguard-live:{base_name}", profile)
+    backing = BackingConfig(enabled=True, max_bytes=int(cap_mib * 2**20))
+    settings = {"recompute": ({"backing": None}, {}),
+                "restore": ({"backing": backing}, {"reencode_history": False}),
+                "reencode": ({"backing": backing}, {})}
+    for variant in variants:
+        kwargs, overrides = settings[variant]
+        name = f"kvguard-live:{base_name} ({variant})"
+        session = live.session(model, sequence_id=name, monitor_overrides=overrides, **kwargs)
         score = score_live(session, ids, reference=reference, desc=name)
         s = session.summary()
+        pairs = s["tokens"] * arch.num_layers
+        ratio = s["kv_bytes"] / s["kv_bytes_fp16"]
         rows.append({"method": name, "ppl": score.perplexity, "kl": score.kl, "top1_agree": score.top1_agree,
                      "tok_s": (score.tokens - 1) / score.seconds, "trigger_rate": s["trigger_rate"],
                      "restored_positions": s["restored_positions"], "recomputed_positions": s["recomputed_positions"],
-                     "kv_bytes_ratio": s["kv_bytes"] / s["kv_bytes_fp16"],
-                     "backing_bytes": s["backing_bytes"], "max_level": s["max_level"]})
+                     "reencoded_positions": s["reencoded_positions"], "fp_share": s["recompute_fraction"],
+                     "reencoded_share": s["reencoded_positions"] / pairs, "kv_bytes_ratio": ratio,
+                     "saving_kept": (1 - ratio) / (1 - stored / full), "backing_mib": s["backing_bytes"] / 2**20,
+                     "max_level": s["max_level"], "actions": s["actions"], "precisions": s["precisions"]})
     for row in rows:
         row["kl_gap_recovered"] = 1 - row["kl"] / static.kl if static.kl else None
         excess = static.perplexity - fp16.perplexity
-        row["ppl_gap_recovered"] = 1 - (row["ppl"] - fp16.perplexity) / excess if excess else None
-    cols = ["method", "ppl", "kl", "kl_gap_recovered", "ppl_gap_recovered", "restored_positions",
-            "recomputed_positions", "kv_bytes_ratio", "backing_bytes", "trigger_rate", "tok_s"]
-    print(f"{args.model}, {args.corpus}, {args.tokens} tokens, profile {args.profile}")
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for row in rows:
-        print("| " + " | ".join(_fmt(row.get(c)) for c in cols) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "rows": rows}, f, indent=1)
-    return 0
+        row["ppl_gap_recovered"] = 1 - (row["ppl"] - fp16.perplexity) / excess if excess > 0 else None
+    return rows
 
 
 def _fmt(value) -> str:

@@ -14,6 +14,9 @@ nats, about a 1 % local perplexity cost). It prints:
 - per corpus and plan, the ROC AUC of every signal for that plan's bad windows (``n/a`` when the plan has no
   bad window or no good one): whether a signal ranks a plan's own bad windows above its good ones, which is what
   a loop running that one plan needs;
+- per corpus and plan, the same AUC for the plan's *worst quarter* of windows (window KL at or above the plan's
+  own 75th percentile): under an aggressive plan nearly every window is bad by the absolute threshold, so this
+  asks what a loop over that plan needs to know, which of its windows are the worst;
 - the AUC pooled over ``plan``, all-INT4 and all-INT2, as calibration pools them (it mostly says that INT2
   windows carry both more quantization error and more KL);
 - the alarms at the operating point, per corpus and plan: the entropy alarm (a warning or trigger in a
@@ -130,10 +133,11 @@ def _count_false_alarms(ref_sig, s: Setup, totals: dict) -> None:
         entry["monitored"] += int(fired[:, s.monitored].any(1).sum()) if s.monitored else 0
 
 
-def _windows(sig: TokenSignals, s: Setup, start: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, Alarmed]:
+def _windows(sig: TokenSignals, s: Setup, start: int
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, Alarmed]:
     """One pass's windows at the refresh points from sequence length ``start`` on (where the session starts
-    monitoring the plan): ``(score per signal [W], bad [W], alarmed [W] per alarm)``; no risk alarm without a
-    classifier."""
+    monitoring the plan): ``(score per signal [W], bad [W], worst quarter [W], alarmed [W] per alarm)``; no
+    risk alarm without a classifier."""
     from kvguard.calibration import signals
     from kvguard.calibration.monitor_fit import replay_alarms
 
@@ -142,7 +146,9 @@ def _windows(sig: TokenSignals, s: Setup, start: int) -> tuple[dict[str, torch.T
     keep = ends >= start  # the same refresh points replay_alarms keeps
     feats = w(sig.features(s.baseline, s.cfg.baseline_tokens))[keep]  # [W, L, 4]
     static_drop = w(sig.drop(s.baseline, adaptive=False))[keep]  # [W, L]
-    bad = w(sig.kl)[keep] > s.kl_threshold
+    window_kl = w(sig.kl)[keep]
+    bad = window_kl > s.kl_threshold
+    worst = window_kl >= torch.quantile(window_kl, 0.75) if window_kl.numel() else bad
     m = s.monitored
     columns = [feats[:, m, 0].mean(1), feats[:, m, 0].amax(1), static_drop.mean(1), feats[:, :, 1].mean(1),
                feats[:, :, 2].mean(1), feats[:, :, 3].mean(1)]
@@ -156,7 +162,7 @@ def _windows(sig: TokenSignals, s: Setup, start: int) -> tuple[dict[str, torch.T
     if risk is not None:
         # The session zeroes the risk of unmonitored layers and the policy acts on the max (policy.decide).
         alarmed["risk"] = risk[:, m].amax(1) >= s.cfg.promote_risk if m else none
-    return scores, bad, alarmed
+    return scores, bad, worst, alarmed
 
 
 def _auc(scores: torch.Tensor, bad: torch.Tensor) -> float | None:
@@ -181,7 +187,7 @@ def _measure(args: argparse.Namespace, s: Setup) -> tuple[list[dict], dict, dict
         _count_false_alarms(signals.record(s.model, ids, s.fp16, s.scales, reference_logprobs=ref), s, false_alarms)
         for name, plan in s.plans.items():
             sig = signals.record(s.model, ids, plan, s.scales, reference_logprobs=ref)
-            scores, bad, alarmed = _windows(sig, s, first_quantized_query(plan))
+            scores, bad, worst, alarmed = _windows(sig, s, first_quantized_query(plan))
             if name in POOLED:
                 for signal, score in scores.items():
                     pooled[signal][0].append(score)
@@ -189,6 +195,7 @@ def _measure(args: argparse.Namespace, s: Setup) -> tuple[list[dict], dict, dict
             rows.append({"corpus": corpus, "plan": name, "mean_kl": float(sig.kl.mean()), "windows": int(bad.numel()),
                          "bad_windows": int(bad.sum()),
                          "auc": {signal: _auc(score, bad) for signal, score in scores.items()},
+                         "auc_worst_quarter": {signal: _auc(score, worst) for signal, score in scores.items()},
                          "alarms": {kind: asdict(alarm_quality(fired, bad)) for kind, fired in alarmed.items()}})
     auc = {signal: _auc(torch.cat(sc), torch.cat(lab)) for signal, (sc, lab) in pooled.items() if sc}
     return rows, auc, false_alarms
@@ -210,14 +217,18 @@ def _print_rows(rows: list[dict], threshold: float) -> None:
         print(f"| {r['corpus']} | {r['plan']} | {r['mean_kl']:.5f} | {r['windows']} | {r['bad_windows']} |")
 
 
-def _print_within(rows: list[dict]) -> None:
-    shown = [(name, description) for name, description in SIGNALS if description in rows[0]["auc"]]
-    print("\nROC AUC for bad windows within each plan (n/a: the plan has no bad window, or no good one):\n")
+def _print_within(rows: list[dict], key: str = "auc") -> None:
+    shown = [(name, description) for name, description in SIGNALS if description in rows[0][key]]
+    if key == "auc":
+        print("\nROC AUC for bad windows within each plan (n/a: the plan has no bad window, or no good one):\n")
+    else:
+        print("\nROC AUC for each plan's worst quarter of windows (window KL >= the plan's own 75th percentile):\n")
     print("| corpus | plan | bad / windows | " + " | ".join(name for name, _ in shown) + " |\n|---|---|---|"
           + "---|" * len(shown))
     for r in rows:
-        cells = " | ".join(_fmt(r["auc"][description]) for _, description in shown)
-        print(f"| {r['corpus']} | {r['plan']} | {r['bad_windows']} / {r['windows']} | {cells} |")
+        cells = " | ".join(_fmt(r[key][description]) for _, description in shown)
+        bad = r["bad_windows"] if key == "auc" else "quarter"
+        print(f"| {r['corpus']} | {r['plan']} | {bad} / {r['windows']} | {cells} |")
     print("\n" + "; ".join(f"{name}: {description}" for name, description in shown) + ".")
 
 
@@ -257,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_plans(s)
     _print_rows(rows, s.kl_threshold)
     _print_within(rows)
+    _print_within(rows, "auc_worst_quarter")
     _print_pooled(auc)
     _print_alarms(rows, s)
     _print_false_alarms(false_alarms, s)

@@ -254,6 +254,12 @@ def test_positions_whose_sliding_context_is_gone_are_restored_not_refused(monkey
 
 
 # ---------------------------------------------------------------- re-encoding history at a promoted tier
+class _Risky:
+    """A risk classifier stand-in: every layer at risk."""
+
+    def predict(self, features):
+        return torch.ones(features.shape[0])
+
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("heads", [("int4", "int4"), ("int4", "fp16")])
 def test_reencoded_history_equals_a_layer_that_stored_the_promoted_tiers_from_the_start(rotate, heads):
@@ -326,17 +332,13 @@ def test_a_promotion_reencodes_the_history_within_the_saving_kept(monkeypatch):
     baseline = EntropyBaseline(nan, nan, nan, torch.ones(arch.num_layers, arch.num_query_heads))
     plan = Plan.uniform(arch, "int2", CacheConfig(residual=8, sinks=2, group_size=8))
 
-    class Risky:  # every layer at risk from the first step
-        def predict(self, features):
-            return torch.ones(features.shape[0])
-
     ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(1)).tolist()
     runs = {}
     for kept in (0.0, 0.9):
         events = []
         config = MonitorConfig(window_tokens=8, refresh_tokens=8, baseline_tokens=16, promote_steps=1,
                                warn_drop=1.0, trigger_drop=1.0, heavy_drop=1.0, min_saving_kept=kept)
-        session = LiveSession(model, plan, baseline, backing=ON, classifier=Risky(), config=config,
+        session = LiveSession(model, plan, baseline, backing=ON, classifier=_Risky(), config=config,
                               on_event=events.append)
         for token in ids:
             session.step(token)
@@ -357,3 +359,27 @@ def test_a_promotion_reencodes_the_history_within_the_saving_kept(monkeypatch):
     assert 0 < tight.summary()["reencoded_positions"] < free.summary()["reencoded_positions"]
     down = [e for e in runs[0.9][1] if e.action is Action.PRECISION_DOWN]
     assert down and all(e.alarm.value == "memory_budget" for e in down)
+
+
+def test_the_prompt_check_promotes_and_reencodes_a_prefilled_prompt_before_the_first_token():
+    from kvguard.control.policy import Action
+
+    model = tiny_llama()
+    arch = Architecture.from_config(model.config)
+    nan = torch.full((arch.num_layers, arch.num_query_heads, 65), float("nan"))
+    baseline = EntropyBaseline(nan, nan, nan, torch.ones(arch.num_layers, arch.num_query_heads))
+    plan = Plan.uniform(arch, "int2", CacheConfig(residual=8, sinks=2, group_size=8))
+    events = []
+    session = LiveSession(model, plan, baseline, backing=ON, classifier=_Risky(), on_event=events.append,
+                          config=MonitorConfig(window_tokens=8, refresh_tokens=8, baseline_tokens=16, promote_steps=2,
+                                                min_saving_kept=0.0))
+    ids = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(2))
+    logits = session.prefill(ids)
+    assert logits.shape == (128,) and session.length == 50 and session.counters.steps == 1
+    up = [e for e in events if e.action is Action.PRECISION_UP]
+    assert [e.token for e in up] == [49, 49] and all(e.reencoded == 40 for e in up)  # positions 2..41
+    assert all(p == ("int4",) * arch.num_kv_heads for p in session.state.tiers)
+    # Without the loop the same prompt is one pass and no step.
+    quiet = LiveSession(model, plan, baseline, backing=ON, classifier=_Risky(), monitor=False)
+    torch.testing.assert_close(quiet.prefill(ids), logits, atol=1e-4, rtol=0)  # the check acts after the logits
+    assert quiet.counters.steps == 0

@@ -77,6 +77,10 @@ class MonitorConfig:
             re-arms when the layer's window drop is back under half of ``warn_drop``.
         trigger_drop, trigger_consecutive: that many consecutive tokens this far below baseline trigger
             light compensation too.
+        alarm_risk: with a risk classifier, a warning or trigger acts only in a layer whose risk is at least
+            this: even odds that the window's quantization error costs a 1 % local perplexity. Ordinary text
+            moves a layer's entropy by 20 % and more with no quantization at all; the drop alone does not say
+            quantization caused it. Severe drops and non-finite reads always act.
         heavy_drop, heavy_layers: a severe alarm: heavy compensation over the ``heavy_layers`` layers up to
             the alarming one, and one step up the rollback ladder.
         recompute_fraction: ``[base, max]`` share of a layer's quantized positions recomputed per action, and
@@ -106,6 +110,7 @@ class MonitorConfig:
     warn_drop: float = 0.20
     trigger_drop: float = 0.25
     trigger_consecutive: int = 3
+    alarm_risk: float = 0.5
     heavy_drop: float = 0.35
     heavy_layers: int = 4
     recompute_fraction: tuple[float, float] = (0.02, 0.05)
@@ -131,7 +136,7 @@ class MonitorConfig:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"monitor setting {name} must be >= 1, got {getattr(self, name)}")
         for name in ("warn_drop", "trigger_drop", "heavy_drop", "max_trigger_rate", "promote_risk", "promote_layer_risk",
-                     "demote_risk"):
+                     "demote_risk", "alarm_risk"):
             if not 0.0 < float(getattr(self, name)) <= 1.0:
                 raise ValueError(f"monitor setting {name} must be in (0, 1], got {getattr(self, name)}")
         if not 0.0 <= float(self.min_saving_kept) <= 1.0:

@@ -41,6 +41,17 @@ def test_warning_compensates_light_once_per_episode_and_rearms_below_half():
     assert _actions(decide(CFG, calm.state, _window(drop=(0.0, 0.3, 0.0)))) == [(Action.LIGHT, Alarm.WARNING, (1,))]
 
 
+def test_with_a_classifier_warnings_act_only_where_the_risk_makes_quantization_a_plausible_cause():
+    quiet_risk = _window(drop=(0.0, 0.21, 0.0), consecutive=(0, 0, 4), risk=(0.1, 0.3, 0.2))
+    step = decide(CFG, _state(), quiet_risk)
+    assert step.decisions == () and not step.acted and not step.warning
+    assert step.state.armed == (True, True, True)  # not spent: the episode may still act once the risk rises
+    risky = decide(CFG, step.state, _window(drop=(0.0, 0.21, 0.0), consecutive=(0, 0, 4), risk=(0.1, 0.6, 0.2)))
+    assert _actions(risky) == [(Action.LIGHT, Alarm.WARNING, (1,))]
+    severe = decide(CFG, _state(), _window(drop=(0.0, 0.4, 0.0), risk=(0.0, 0.0, 0.0)))
+    assert severe.severe and severe.state.level == 1  # a severe drop acts whatever the risk
+
+
 def test_trigger_needs_the_consecutive_run_and_unmonitored_layers_never_alarm():
     assert decide(CFG, _state(), _window(consecutive=(2, 0, 0))).decisions == ()
     step = decide(CFG, _state(), _window(consecutive=(3, 0, 3)))
@@ -127,6 +138,15 @@ def test_promotions_wait_for_headroom_and_over_budget_the_least_risky_promoted_l
     assert _actions(step) == [(Action.PRECISION_DOWN, Alarm.BUDGET, (0,))]
     assert step.state.tiers == step.state.floor
     assert decide(cfg, step.state, over).decisions == ()  # nothing left to demote
+
+
+def test_the_prompt_check_promotes_a_layer_at_risk_at_once():
+    cfg = MonitorConfig(promote_steps=2)
+    risk = (0.95, 0.1, 0.1)
+    plain = decide(cfg, _state(), Window((0.0,) * 3, (0,) * 3, (True,) * 3, risk))
+    assert plain.decisions == ()  # hysteresis: a second step is needed
+    check = decide(cfg, _state(), Window((0.0,) * 3, (0,) * 3, (True,) * 3, risk, prompt=True))
+    assert _actions(check)[:2] == [(Action.PRECISION_UP, Alarm.RISK, (0,)), (Action.LIGHT, Alarm.RISK, (0,))]
 
 
 def test_trigger_rate_recommends_recalibration_once():

@@ -1,7 +1,7 @@
 """The run-time monitor: attention entropy and quantization-error evidence, token by token, cheaply.
 
 While a sequence decodes, an attention hook (:mod:`kvguard.attention`; no modeling code is forked) computes each
-monitored layer's attention explicitly for the one new query (through the fused decode attention,
+observed layer's attention explicitly for the one new query (through the fused decode attention,
 :mod:`kvguard.fused_attention`, which reads the quantized codes directly and returns the probabilities, when it
 is built; otherwise over the materialized cache) and records
 
@@ -38,7 +38,7 @@ class TokenMonitor:
 
     def __init__(self, baseline: EntropyBaseline, config: MonitorConfig, num_layers: int, *,
                  sliding_window: int | None, sliding_layers: tuple[int, ...] = (),
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", observe_all: bool = False) -> None:
         if baseline.mean.shape[0] != num_layers:
             raise ValueError(f"entropy baseline has {baseline.mean.shape[0]} layers, the model has {num_layers}")
         self.baseline = baseline
@@ -53,6 +53,9 @@ class TokenMonitor:
             raise ValueError(f"monitored layers {bad} out of range [0, {num_layers})")
         self.monitored = torch.zeros(num_layers, dtype=torch.bool)
         self.monitored[list(monitored)] = True
+        # The layers whose evidence is recorded: the monitored ones (their entropy alarms count), or every layer
+        # when the risk classifier and the position selection need evidence from all of them (``observe_all``).
+        self.observed = torch.ones(num_layers, dtype=torch.bool) if observe_all else self.monitored.clone()
         self.reset()
 
     def reset(self) -> None:
@@ -152,7 +155,7 @@ class TokenMonitor:
 
 # ------------------------------------------------------------------------------------------- the attention
 class _LiveHook:
-    """sdpa, except for the monitored layers' one-token decode queries: explicit softmax, recorded."""
+    """sdpa, except for the observed layers' one-token decode queries: explicit softmax, recorded."""
 
     def __init__(self, monitor: TokenMonitor, cache) -> None:
         self.monitor, self.cache = monitor, cache
@@ -165,10 +168,10 @@ class _LiveHook:
         if read is not None:  # a deferred read: the fused kernels attend, and give the probabilities too
             out, probs = fused_attention.attend_with_probs(query, read, key, value, attention_mask,
                                                            scaling=scaling, softcap=softcap)
-            if t == 1 and bool(self.monitor.monitored[layer]):
+            if t == 1 and bool(self.monitor.observed[layer]):
                 self._observe(layer, probs.view(b, hkv, rep, -1))
             return out
-        if t != 1 or not bool(self.monitor.monitored[layer]):
+        if t != 1 or not bool(self.monitor.observed[layer]):
             mask = None if attention_mask is None else attention_mask[..., : key.shape[2]]
             return attention.attend(query, key, value, mask, scaling=scaling, softcap=softcap,
                                     is_causal=mask is None and t > 1)

@@ -15,11 +15,13 @@ The rules (defaults from :class:`~kvguard.config.MonitorConfig`):
   layers; level 3 turns quantization off (the session recomputes the whole context at full precision).
   Each level steps down after ``cooldown_steps * 2**(level - 1)`` steps without a severe alarm.
 - **warning** (window drop >= ``warn_drop``) or **trigger** (``trigger_consecutive`` tokens in a row at least
-  ``trigger_drop`` below baseline): light compensation of the alarming layers. Each acts once per episode: a
-  layer re-arms when its window drop is back under half of ``warn_drop``.
+  ``trigger_drop`` below baseline): light compensation of the alarming layers, where the risk classifier puts
+  the layer at ``alarm_risk`` or more (ordinary text moves entropy more than quantization does). Each acts once
+  per episode: a layer re-arms when its window drop is back under half of ``warn_drop``.
 - **risk** (dynamic precision): ``promote_steps`` steps at or above ``promote_risk`` (or ``promote_layer_risk``
-  while some layer is at ``promote_risk``) promote a layer one tier for new tokens, at most
-  ``max_promotion_tiers`` above the plan, and recompute its top positions; ``demote_steps * 2**demotions``
+  while some layer is at ``promote_risk``; one step at the prompt check) promote a layer one tier for new
+  tokens (and for its history, where the session keeps a backing tier), at most ``max_promotion_tiers`` above
+  the plan, and restore or recompute its top positions; ``demote_steps * 2**demotions``
   steps at or below ``demote_risk`` demote it one tier, never below the plan.
 - **memory budget**: promotions wait while the hot cache has no room left under ``min_saving_kept`` of the
   plan's saving (``Window.headroom``); past it, the promoted layer at the lowest risk is demoted one tier a step.
@@ -90,11 +92,13 @@ class Window:
         drop: window-mean entropy drop against the sequence's own level (0 where not monitored).
         consecutive: tokens in a row, up to now, at least ``trigger_drop`` below baseline.
         monitored: which layers' alarms count.
-        risk: the risk classifier's output (0 where not monitored), or ``None`` without a classifier.
+        risk: the risk classifier's output per layer (every layer is observed), or ``None`` without a classifier.
         nonfinite: a NaN / Inf was read since the last step.
         headroom: what the hot cache may still grow by under the loop's memory budget (it keeps
             ``min_saving_kept`` of the plan's saving), as a fraction of the FP16 bytes; negative: over it;
             ``None``: no budget.
+        prompt: the prompt check, the first read of a prefilled prompt: a layer at risk is promoted at once
+            (``promote_steps`` guards against flapping between steps, and there was no step before).
     """
 
     drop: tuple[float, ...]
@@ -103,6 +107,7 @@ class Window:
     risk: tuple[float, ...] | None = None
     nonfinite: bool = False
     headroom: float | None = None
+    prompt: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.drop)
@@ -271,8 +276,11 @@ def decide(config: MonitorConfig, state: PolicyState, window: Window) -> Step:
     for l in range(n):  # re-arm layers whose drop is back well under the warning level
         work.armed[l] = work.armed[l] or window.drop[l] < config.warn_drop / 2
     severe = [l for l in range(n) if flags.severe[l]]
-    warn = [l for l in range(n) if flags.warning[l] and work.armed[l]]
-    trig = [l for l in range(n) if flags.trigger[l] and work.armed[l]]
+    # Text moves entropy more than quantization does: a warning or trigger acts where the risk classifier also
+    # finds the window's quantization error likely to matter (no classifier: everywhere).
+    plausible = [window.risk is None or window.risk[l] >= config.alarm_risk for l in range(n)]
+    warn = [l for l in range(n) if flags.warning[l] and work.armed[l] and plausible[l]]
+    trig = [l for l in range(n) if flags.trigger[l] and work.armed[l] and plausible[l]]
     for l in set(severe) | set(warn) | set(trig):
         work.armed[l] = False
     acted = False
@@ -288,7 +296,7 @@ def decide(config: MonitorConfig, state: PolicyState, window: Window) -> Step:
             work.compensate(Action.LIGHT, Alarm.WARNING if warn else Alarm.TRIGGER, sorted(set(warn) | set(trig)))
         acted = True
     if window.risk is not None and work.level < MAX_LEVEL:
-        acted |= _dynamic_precision(work, window.risk, window.headroom)
+        acted |= _dynamic_precision(work, window.risk, window.headroom, 1 if window.prompt else config.promote_steps)
     acted |= _cool_down(work)
     _count_rate(work, acted)
     return Step(work.freeze(), tuple(work.decisions), bool(warn) and not (window.nonfinite or severe),
@@ -343,7 +351,7 @@ def _raise(precision: Precision, tiers: int) -> Precision:
     return precision
 
 
-def _dynamic_precision(work: _Work, risk: Sequence[float], headroom: float | None = None) -> bool:
+def _dynamic_precision(work: _Work, risk: Sequence[float], headroom: float | None, promote_steps: int) -> bool:
     cfg = work.config
     acted = False
     alarm = max(risk) >= cfg.promote_risk  # the sequence is at risk: look at every elevated layer
@@ -354,7 +362,7 @@ def _dynamic_precision(work: _Work, risk: Sequence[float], headroom: float | Non
         work.low[l] = work.low[l] + 1 if r <= cfg.demote_risk else 0
         heads, floor = work.tiers[l], work.state.floor[l]
         ceiling = [_raise(f, cfg.max_promotion_tiers) for f in floor]
-        if room and work.high[l] >= cfg.promote_steps and any(p.bits < c.bits for p, c in zip(heads, ceiling)):
+        if room and work.high[l] >= promote_steps and any(p.bits < c.bits for p, c in zip(heads, ceiling)):
             work.tiers[l] = tuple(_up(p) if p.bits < c.bits else p for p, c in zip(heads, ceiling))
             work.high[l] = 0
             work.decisions.append(Decision(Action.PRECISION_UP, Alarm.RISK, (l,), work.level,

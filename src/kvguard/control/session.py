@@ -84,9 +84,11 @@ class LiveSession:
         self.on_step = on_step
         self.enabled = monitor
         self.backing = backing
+        # With a classifier every layer is observed: its risk is fitted on every layer's features, and the layers
+        # where quantization hurts most need not be those whose entropy is quiet enough to alarm on.
         self.monitor = TokenMonitor(baseline, self.config, self.arch.num_layers,
                                     sliding_window=self.arch.sliding_window, sliding_layers=self.arch.sliding_layers,
-                                    device=model.device)
+                                    device=model.device, observe_all=classifier is not None)
         self.cache = self._new_cache()
         self.ids: list[int] = []
         self.state = PolicyState.initial([lp.precision for lp in plan.layers])
@@ -129,27 +131,35 @@ class LiveSession:
     # ---------------------------------------------------------------- decoding
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Feed a prompt ``[T]`` in one pass (not monitored: it attends to its own full-precision K/V); returns
-        the last position's next-token logits ``[vocab]``."""
-        ids = torch.as_tensor(ids).reshape(1, -1)
-        if ids.shape[1] == 0:
+        """Feed a prompt ``[T]``; returns the last position's next-token logits ``[vocab]``.
+
+        All but the last token go in one pass, which attends to its own full-precision K/V, so there is nothing
+        to watch in it; the last token goes as a decode step, which reads the stored prompt as decoding will.
+        With the loop on, that step is the *prompt check*, a monitoring step of its own (risk only: one token is
+        no window for the entropy alarms), so a prompt whose storage is at risk is promoted, re-encoded and
+        compensated before the first token is drawn, not a window later."""
+        ids = torch.as_tensor(ids).reshape(-1)
+        if ids.numel() == 0:
             raise ValueError("empty prompt")
-        self.ids.extend(ids[0].tolist())  # from the caller's tensor, before it is on the device
-        return self._forward(ids.to(self.model.device))[0, -1].float()
+        if ids.numel() > 1:
+            self.ids.extend(ids[:-1].tolist())  # from the caller's tensor, before it is on the device
+            self._forward(ids[:-1].view(1, -1).to(self.model.device))
+        return self.step(int(ids[-1]), prompt=ids.numel() > 1)
 
     @torch.no_grad()
-    def step(self, token: int) -> torch.Tensor:
+    def step(self, token: int, *, prompt: bool = False) -> torch.Tensor:
         """Feed one token; returns its next-token logits ``[vocab]`` (and runs a monitoring step every
-        ``refresh_tokens`` tokens)."""
+        ``refresh_tokens`` tokens; ``prompt``: the last token of a prefilled prompt, checked at once)."""
         ids = torch.tensor([[int(token)]], device=self.model.device)
         logits = self._forward(ids)[0, -1].float()
         self.ids.append(int(token))
         if self.enabled:
             self.monitor.end_token()
             self._since_step += 1
-            if self._since_step >= self.config.refresh_tokens and self.length >= self.start_step:
+            due = prompt or self._since_step >= self.config.refresh_tokens
+            if due and self.length >= self.start_step:
                 self._since_step = 0
-                self._monitoring_step()
+                self._monitoring_step(prompt)
         return logits
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, *, sampler: Sampler = GREEDY,
@@ -161,21 +171,23 @@ class LiveSession:
                                  on_token=on_token, should_stop=should_stop)
 
     # ---------------------------------------------------------------- the monitoring step
-    def _window(self) -> tuple[Window, torch.Tensor, torch.Tensor]:
-        """The policy's evidence, plus the window's drop and entropy tensors for the events."""
+    def _window(self, prompt: bool = False) -> tuple[Window, torch.Tensor, torch.Tensor]:
+        """The policy's evidence, plus the window's drop and entropy tensors for the events (``prompt``: the
+        prompt check, whose one token of entropy is no window: no drop, no run of low-entropy tokens)."""
         drop, _, entropy = self.monitor.window()
         monitored = self.monitor.monitored
-        drop = torch.where(monitored, drop, torch.zeros(()))
+        drop = torch.where(monitored & (not prompt), drop, torch.zeros(()))
+        consecutive = torch.zeros_like(self.monitor.consecutive) if prompt else self.monitor.consecutive
         risk = None
         if self.classifier is not None:
-            risk = torch.where(monitored, self.classifier.predict(self.monitor.features()), torch.zeros(()))
-        window = Window(tuple(drop.tolist()), tuple(int(c) for c in self.monitor.consecutive.tolist()),
+            risk = torch.where(self.monitor.observed, self.classifier.predict(self.monitor.features()), torch.zeros(()))
+        window = Window(tuple(drop.tolist()), tuple(int(c) for c in consecutive.tolist()),
                         tuple(bool(m) for m in monitored.tolist()), None if risk is None else tuple(risk.tolist()),
-                        bool(self.monitor.nonfinite), None if risk is None else self._headroom())
+                        bool(self.monitor.nonfinite), None if risk is None else self._headroom(), prompt)
         return window, drop, entropy
 
-    def _monitoring_step(self) -> None:
-        window, drop, entropy = self._window()
+    def _monitoring_step(self, prompt: bool = False) -> None:
+        window, drop, entropy = self._window(prompt)
         step = decide(self.config, self.state, window)
         self.state = step.state
         if window.nonfinite:
