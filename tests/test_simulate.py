@@ -86,3 +86,35 @@ def test_a_codec_replaces_only_the_quantized_heads_round_trip():
     assert not torch.allclose(plain, fp16, atol=1e-4)
     assert torch.allclose(lossless, fp16, atol=1e-4)
 
+
+
+def test_a_score_bias_moves_only_the_quantized_keys_scores():
+    import torch
+
+    from kvguard.simulate import simulate_logits
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama()
+    arch = Architecture.from_config(model.config)
+    cfg = CacheConfig(residual=8, sinks=2, group_size=16)
+    plan = Plan.uniform(arch, "int2", cfg)
+    ids = torch.randint(0, 128, (90,), generator=torch.Generator().manual_seed(2))
+    seen = []
+
+    def constant(value):
+        def bias(layer, query, k_fp):
+            seen.append((layer, tuple(query.shape), tuple(k_fp.shape)))
+            return torch.full((*query.shape[:3], k_fp.shape[2]), value)
+        return bias
+
+    plain = simulate_logits(model, ids, plan)
+    assert torch.equal(simulate_logits(model, ids, plan, score_bias=constant(0.0)), plain)
+    # Called once per layer with the float32 query [B, H_q, T, D] and the stored keys [B, H_kv, T, D].
+    d = arch.head_dim
+    assert seen == [(i, (1, arch.num_query_heads, 90, d), (1, arch.num_kv_heads, 90, d)) for i in range(arch.num_layers)]
+    # A large negative bias on the quantized keys only shifts attention to the sinks, the window and the query's
+    # own key, so the logits change; while every token is still in the full-precision window it is never applied.
+    assert not torch.allclose(simulate_logits(model, ids, plan, score_bias=constant(-30.0)), plain, atol=1e-3)
+    windowed = Plan.uniform(arch, "int2", CacheConfig(residual=128, sinks=2, group_size=16))
+    assert torch.equal(simulate_logits(model, ids, windowed, score_bias=constant(-30.0)),
+                       simulate_logits(model, ids, windowed))

@@ -34,6 +34,11 @@ Observer = Callable[..., None]
 # trip, as the cache stores it. Storage formats are measured through here before the cache learns them
 # (``benchmarks/codebook_outliers.py``).
 Codec = Callable[[torch.Tensor, QuantSpec, int, bool], torch.Tensor]
+# A correction added to the attention scores of keys that have left the full-precision window (not sinks, not the
+# query's own key), ``score_bias(layer, query, k_fp) -> [B, H_q, T, T]`` (``query`` float32 ``[B, H_q, T, D]``,
+# ``k_fp`` the stored full-precision keys ``[B, H_kv, T, D]``; 0 where a head stays FP16): how an analytic
+# correction of the softmax is measured before the cache learns it (``benchmarks/softmax_bias.py``).
+ScoreBias = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _round_trip(x: torch.Tensor, spec: QuantSpec, absmax: torch.Tensor | None, codec: Codec | None, layer: int,
@@ -87,8 +92,9 @@ class _SimulationHook:
     """Attention of every query against the keys/values as chunk-1 decoding through the cache shows them."""
 
     def __init__(self, plan: Plan, scales: StaticScales | None, observer: Observer | None,
-                 codec: Codec | None = None) -> None:
+                 codec: Codec | None = None, score_bias: ScoreBias | None = None) -> None:
         self.plan, self.scales, self.observer, self.codec = plan, scales, observer, codec
+        self.score_bias = score_bias
 
     def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap):
         plan, scales = self.plan, self.scales
@@ -123,6 +129,8 @@ class _SimulationHook:
         # The query's own key is used as computed (the cache returns new tokens unrounded).
         exact_self = (q32 * attention.expand_kv(key.to(torch.float32), rep)).sum(-1) * scaling  # [B, Hq, T]
         scores = torch.where(diagonal, exact_self.unsqueeze(-1), scores)
+        if self.score_bias is not None:
+            scores = scores + self.score_bias(layer_idx, q32, k_fp).masked_fill(~quantized, 0.0)
         scores = attention.softcapped(scores, softcap)
         if attention_mask is not None:
             scores = scores + attention_mask.to(torch.float32)
@@ -137,21 +145,23 @@ class _SimulationHook:
 
 @contextlib.contextmanager
 def simulation(model, plan: Plan, scales: StaticScales | None = None, *, observer: Observer | None = None,
-               codec: Codec | None = None):
+               codec: Codec | None = None, score_bias: ScoreBias | None = None):
     """Within this block, ``model``'s forward passes (without a cache) simulate chunk-1 decoding under ``plan``
     (INT8 heads with calibrated ``scales`` when given); ``observer`` sees every layer's attention; ``codec``
-    replaces the quantizer's round trip of heads with dynamic scales (see :data:`Codec`)."""
+    replaces the quantizer's round trip of heads with dynamic scales (see :data:`Codec`); ``score_bias``
+    corrects the scores of quantized keys (see :data:`ScoreBias`)."""
     arch = Architecture.from_config(model.config)
     plan.check(arch)
     if scales is not None:
         scales.check(arch)
-    with attention.hooked(model, _SimulationHook(plan, scales, observer, codec)):
+    with attention.hooked(model, _SimulationHook(plan, scales, observer, codec, score_bias)):
         yield
 
 
 @torch.no_grad()
 def simulate_logits(model, input_ids: torch.Tensor, plan: Plan, scales: StaticScales | None = None, *,
-                    keep_from: int = 0, observer: Observer | None = None, codec: Codec | None = None) -> torch.Tensor:
+                    keep_from: int = 0, observer: Observer | None = None, codec: Codec | None = None,
+                    score_bias: ScoreBias | None = None) -> torch.Tensor:
     """Next-token logits ``[T - keep_from, vocab]`` (float32) for ``input_ids`` (``[T]``) as chunk-1 decoding
     through a cache built from ``plan`` (and ``scales``) would produce them, in one forward pass.
     ``keep_from``: skip the output head for earlier positions (see :func:`first_quantized_query`)."""
@@ -159,7 +169,7 @@ def simulate_logits(model, input_ids: torch.Tensor, plan: Plan, scales: StaticSc
     keep = ids.shape[1] - keep_from
     if not 0 < keep <= ids.shape[1]:
         raise ValueError(f"keep_from must be in [0, {ids.shape[1]}), got {keep_from}")
-    with simulation(model, plan, scales, observer=observer, codec=codec):
+    with simulation(model, plan, scales, observer=observer, codec=codec, score_bias=score_bias):
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
     return logits[0, -keep:].float()
 
