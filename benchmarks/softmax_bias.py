@@ -50,14 +50,10 @@ def key_variance(k_fp: torch.Tensor, plan, layer: int) -> torch.Tensor:
     return var
 
 
-def make_bias(plan, model_config):
-    """The :data:`kvguard.simulate.ScoreBias` of ``plan``: ``-scaling^2 * sum_d q_d^2 var_jd / 2`` per (query, key)."""
+def make_bias(plan):
+    """The :data:`kvguard.simulate.ScoreBias` of ``plan``: ``-sum_d (scaling * q_d)^2 var_jd / 2`` per (query, key)
+    (the hook passes the query already scaled)."""
     from kvguard import rotation
-    from kvguard.architecture import Architecture
-
-    # The score scaling: 1 / sqrt(head_dim), or Gemma's query_pre_attn_scalar.
-    scalar = getattr(model_config, "query_pre_attn_scalar", None) or Architecture.from_config(model_config).head_dim
-    scaling2 = 1.0 / scalar
 
     def bias(layer: int, query: torch.Tensor, k_fp: torch.Tensor) -> torch.Tensor:
         var = key_variance(k_fp, plan, layer)  # [B, H_kv, T, D]
@@ -67,7 +63,7 @@ def make_bias(plan, model_config):
             s = rotation.signs(k_fp.shape[-1], k_fp.shape[1], layer).repeat_interleave(rep, dim=0)
             q = rotation.rotate(query, s)
         var = var.repeat_interleave(rep, dim=1)  # [B, H_q, T, D]
-        return -0.5 * scaling2 * (q.square() @ var.transpose(-1, -2))  # [B, H_q, T_q, T_k]
+        return -0.5 * (q.square() @ var.transpose(-1, -2))  # [B, H_q, T_q, T_k]
 
     return bias
 
@@ -107,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             method = methods.get(name, profile)
             plan = method.plan(arch)
             row = {"corpus": corpus, "method": name}
-            for label, bias in (("plain", None), ("corrected", make_bias(plan, model.config))):
+            for label, bias in (("plain", None), ("corrected", make_bias(plan))):
                 logits = simulate_logits(model, ids[:-1], plan, method.scales, score_bias=bias)
                 score = score_logits(ids, [logits], reference=reference)
                 row[label] = {"ppl_delta_pct": 100.0 * (math.exp(score.nll - fp.nll) - 1.0), "kl": score.kl,

@@ -36,7 +36,8 @@ Observer = Callable[..., None]
 Codec = Callable[[torch.Tensor, QuantSpec, int, bool], torch.Tensor]
 # A correction added to the attention scores of keys that have left the full-precision window (not sinks, not the
 # query's own key), ``score_bias(layer, query, k_fp) -> [B, H_q, T, T]`` (``query`` float32 ``[B, H_q, T, D]``,
-# ``k_fp`` the stored full-precision keys ``[B, H_kv, T, D]``; 0 where a head stays FP16): how an analytic
+# already times the score scaling; ``k_fp`` the stored full-precision keys ``[B, H_kv, T, D]``; 0 where a head
+# stays FP16): how an analytic
 # correction of the softmax is measured before the cache learns it (``benchmarks/softmax_bias.py``).
 ScoreBias = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -130,7 +131,7 @@ class _SimulationHook:
         exact_self = (q32 * attention.expand_kv(key.to(torch.float32), rep)).sum(-1) * scaling  # [B, Hq, T]
         scores = torch.where(diagonal, exact_self.unsqueeze(-1), scores)
         if self.score_bias is not None:
-            scores = scores + self.score_bias(layer_idx, q32, k_fp).masked_fill(~quantized, 0.0)
+            scores = scores + self.score_bias(layer_idx, q32 * scaling, k_fp).masked_fill(~quantized, 0.0)
         scores = attention.softcapped(scores, softcap)
         if attention_mask is not None:
             scores = scores + attention_mask.to(torch.float32)
