@@ -160,7 +160,8 @@ def _windows(sig: TokenSignals, s: Setup, start: int
     none = torch.zeros_like(bad)
     alarmed = {"entropy": (a["warning"] | a["trigger"])[:, m].any(1) if m else none}
     if risk is not None:
-        # The session zeroes the risk of unmonitored layers and the policy acts on the max (policy.decide).
+        # The policy acts on the max (policy.decide). This replay reads the monitored layers only, as the session
+        # did before it observed every layer (d7cca6f); the live session's risk alarm can fire more often.
         alarmed["risk"] = risk[:, m].amax(1) >= s.cfg.promote_risk if m else none
     return scores, bad, worst, alarmed
 
