@@ -140,6 +140,26 @@ def test_promotions_wait_for_headroom_and_over_budget_the_least_risky_promoted_l
     assert decide(cfg, step.state, over).decisions == ()  # nothing left to demote
 
 
+def test_priced_promotions_go_riskiest_first_as_far_as_the_room_goes_and_the_rest_wait():
+    cfg = MonitorConfig(promote_steps=1)
+    risk = (0.92, 0.95, 0.91)  # layer 1 first, then 0, then 2
+    # One bit in one head costs 0.01 of the FP16 bytes: INT4 -> INT8 on two heads costs 0.08, INT2 -> INT4 and
+    # INT4 -> INT8 on layer 1's heads 0.06.
+    def window(headroom):
+        return Window((0.0,) * 3, (0,) * 3, (True,) * 3, risk, headroom=headroom, bit_cost=(0.01,) * 3)
+
+    step = decide(cfg, _state(), window(0.10))
+    assert [d.layers for d in step.decisions if d.action is Action.PRECISION_UP] == [(1,)]  # layer 0 (0.08) waits
+    assert step.state.high[0] >= 1 and step.state.tiers[0] == step.state.floor[0]
+    assert not any(d.action is Action.PRECISION_DOWN for d in step.decisions)
+    more = decide(cfg, step.state, window(0.08))  # room again: the waiting layer goes first, then none fits
+    assert [d.layers for d in more.decisions if d.action is Action.PRECISION_UP] == [(0,)]
+    unpriced = decide(cfg, _state(), Window((0.0,) * 3, (0,) * 3, (True,) * 3, risk, headroom=0.10))
+    assert [d.layers for d in unpriced.decisions if d.action is Action.PRECISION_UP] == [(1,), (0,), (2,)]
+    with pytest.raises(ValueError, match="one entry per layer"):
+        Window((0.0,) * 3, (0,) * 3, (True,) * 3, risk, bit_cost=(0.01,) * 2)
+
+
 def test_the_prompt_check_promotes_a_layer_at_risk_at_once():
     cfg = MonitorConfig(promote_steps=2)
     risk = (0.95, 0.1, 0.1)

@@ -23,8 +23,9 @@ The rules (defaults from :class:`~kvguard.config.MonitorConfig`):
   tokens (and for its history, where the session keeps a backing tier), at most ``max_promotion_tiers`` above
   the plan, and restore or recompute its top positions; ``demote_steps * 2**demotions``
   steps at or below ``demote_risk`` demote it one tier, never below the plan.
-- **memory budget**: promotions wait while the hot cache has no room left under ``min_saving_kept`` of the
-  plan's saving (``Window.headroom``); past it, the promoted layer at the lowest risk is demoted one tier a step.
+- **memory budget**: promotions go riskiest first, each priced by its extra bits (``Window.bit_cost``), as far
+  as the hot cache's room under ``min_saving_kept`` of the plan's saving goes (``Window.headroom``); the rest
+  wait. Past the budget, the promoted layer at the lowest risk is demoted one tier a step.
 - **trigger rate**: more than ``max_trigger_rate`` of the last ``trigger_rate_steps`` steps acting (once at
   least 32 were seen) recommends recalibration, once.
 """
@@ -99,6 +100,9 @@ class Window:
             ``None``: no budget.
         prompt: the prompt check, the first read of a prefilled prompt: a layer at risk is promoted at once
             (``promote_steps`` guards against flapping between steps, and there was no step before).
+        bit_cost: per layer, what one more bit per value in one of its KV heads adds to the hot cache (its
+            history stored again, and new tokens alike), as a fraction of the FP16 bytes, so promotions are
+            priced against ``headroom``; ``None``: promotions are not priced.
     """
 
     drop: tuple[float, ...]
@@ -108,10 +112,12 @@ class Window:
     nonfinite: bool = False
     headroom: float | None = None
     prompt: bool = False
+    bit_cost: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.drop)
-        lengths = [len(self.consecutive), len(self.monitored)] + ([] if self.risk is None else [len(self.risk)])
+        lengths = [len(self.consecutive), len(self.monitored)] + [
+            len(x) for x in (self.risk, self.bit_cost) if x is not None]
         if any(m != n for m in lengths):
             raise ValueError(f"window evidence needs one entry per layer ({n}), got lengths {lengths}")
 
@@ -296,7 +302,7 @@ def decide(config: MonitorConfig, state: PolicyState, window: Window) -> Step:
             work.compensate(Action.LIGHT, Alarm.WARNING if warn else Alarm.TRIGGER, sorted(set(warn) | set(trig)))
         acted = True
     if window.risk is not None and work.level < MAX_LEVEL:
-        acted |= _dynamic_precision(work, window.risk, window.headroom, 1 if window.prompt else config.promote_steps)
+        acted |= _dynamic_precision(work, window, 1 if window.prompt else config.promote_steps)
     acted |= _cool_down(work)
     _count_rate(work, acted)
     return Step(work.freeze(), tuple(work.decisions), bool(warn) and not (window.nonfinite or severe),
@@ -351,26 +357,21 @@ def _raise(precision: Precision, tiers: int) -> Precision:
     return precision
 
 
-def _dynamic_precision(work: _Work, risk: Sequence[float], headroom: float | None, promote_steps: int) -> bool:
-    cfg = work.config
-    acted = False
+def _dynamic_precision(work: _Work, window: Window, promote_steps: int) -> bool:
+    cfg, risk = work.config, window.risk
     alarm = max(risk) >= cfg.promote_risk  # the sequence is at risk: look at every elevated layer
-    room = headroom is None or headroom > 0
+    due = []
     for l, r in enumerate(risk):
         elevated = r >= cfg.promote_risk or (alarm and r >= cfg.promote_layer_risk)
         work.high[l] = work.high[l] + 1 if elevated else 0
         work.low[l] = work.low[l] + 1 if r <= cfg.demote_risk else 0
+        if work.high[l] >= promote_steps and _promoted(work, l) != work.tiers[l]:
+            due.append(l)
+    acted = _promote(work, window, due)
+    for l, r in enumerate(risk):
         heads, floor = work.tiers[l], work.state.floor[l]
-        ceiling = [_raise(f, cfg.max_promotion_tiers) for f in floor]
-        if room and work.high[l] >= promote_steps and any(p.bits < c.bits for p, c in zip(heads, ceiling)):
-            work.tiers[l] = tuple(_up(p) if p.bits < c.bits else p for p, c in zip(heads, ceiling))
-            work.high[l] = 0
-            work.decisions.append(Decision(Action.PRECISION_UP, Alarm.RISK, (l,), work.level,
-                                           precision=work.tiers[l], risk=float(r)))
-            work.compensate(Action.LIGHT, Alarm.RISK, [l], promoted=True)
-            acted = True
-        elif (work.low[l] >= cfg.demote_steps * 2 ** work.demotions[l]
-              and any(p.bits > f.bits for p, f in zip(heads, floor))):
+        if (l not in due and work.low[l] >= cfg.demote_steps * 2 ** work.demotions[l]
+                and any(p.bits > f.bits for p, f in zip(heads, floor))):
             # Each demotion of a layer doubles the wait before its next one: its risk is low partly because it
             # was promoted, and a layer that keeps coming back must not flap.
             work.tiers[l] = tuple(_down(p) if p.bits > f.bits else p for p, f in zip(heads, floor))
@@ -379,8 +380,41 @@ def _dynamic_precision(work: _Work, risk: Sequence[float], headroom: float | Non
             work.decisions.append(Decision(Action.PRECISION_DOWN, Alarm.RISK, (l,), work.level,
                                            precision=work.tiers[l], risk=float(r)))
             acted = True
-    if headroom is not None and headroom < 0:
+    if window.headroom is not None and window.headroom < 0:
         acted |= _over_budget(work, risk)
+    return acted
+
+
+def _promoted(work: _Work, layer: int) -> tuple[Precision, ...]:
+    """``layer``'s tiers one step up, at most ``max_promotion_tiers`` above the plan."""
+    floor = work.state.floor[layer]
+    ceiling = [_raise(f, work.config.max_promotion_tiers) for f in floor]
+    return tuple(_up(p) if p.bits < c.bits else p for p, c in zip(work.tiers[layer], ceiling))
+
+
+def _promote(work: _Work, window: Window, due: Sequence[int]) -> bool:
+    """Promote the ``due`` layers, riskiest first, as far as the memory budget's room goes.
+
+    A promotion is priced by its extra bits (``Window.bit_cost``); the first layer that does not fit stops the
+    rest, which wait (still due) for room. Promoting every due layer at once and stepping the overshoot back
+    down one layer a step made one alarm cost a dozen acting steps."""
+    room = window.headroom
+    if room is not None and room <= 0:
+        return False
+    acted = False
+    for l in sorted(due, key=lambda i: (-window.risk[i], i)):
+        tiers = _promoted(work, l)
+        if room is not None and window.bit_cost is not None:
+            cost = window.bit_cost[l] * sum(p.bits - q.bits for p, q in zip(tiers, work.tiers[l]))
+            if cost > room:
+                break
+            room -= cost
+        work.tiers[l] = tiers
+        work.high[l] = 0
+        work.decisions.append(Decision(Action.PRECISION_UP, Alarm.RISK, (l,), work.level, precision=tiers,
+                                       risk=float(window.risk[l])))
+        work.compensate(Action.LIGHT, Alarm.RISK, [l], promoted=True)
+        acted = True
     return acted
 
 

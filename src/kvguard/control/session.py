@@ -183,7 +183,8 @@ class LiveSession:
             risk = torch.where(self.monitor.observed, self.classifier.predict(self.monitor.features()), torch.zeros(()))
         window = Window(tuple(drop.tolist()), tuple(int(c) for c in consecutive.tolist()),
                         tuple(bool(m) for m in monitored.tolist()), None if risk is None else tuple(risk.tolist()),
-                        bool(self.monitor.nonfinite), None if risk is None else self._headroom(), prompt)
+                        bool(self.monitor.nonfinite), None if risk is None else self._headroom(), prompt,
+                        None if risk is None else self._bit_costs())
         return window, drop, entropy
 
     def _monitoring_step(self, prompt: bool = False) -> None:
@@ -260,6 +261,16 @@ class LiveSession:
         """:meth:`_byte_room` as a fraction of the FP16 bytes (the policy's ``Window.headroom``)."""
         fp16 = self.cache.fp16_nbytes()
         return self._byte_room() / fp16 if fp16 else 0.0
+
+    def _bit_costs(self) -> tuple[float, ...]:
+        """Per layer, the bytes one more bit per value in one KV head adds over its stored history (keys and
+        values), as a fraction of the FP16 bytes: what a promotion costs once its history is stored again, and
+        about what it keeps costing as new tokens come (scales and zero points left out: they change little
+        between tiers)."""
+        fp16 = self.cache.fp16_nbytes()
+        if not fp16:
+            return (0.0,) * self.arch.num_layers
+        return tuple(2 * layer.history_tokens() * self.arch.head_dim / 8 / fp16 for layer in self.cache.layers)
 
     @torch.no_grad()
     def rollback_full(self) -> None:
