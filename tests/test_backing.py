@@ -383,3 +383,9 @@ def test_the_prompt_check_promotes_and_reencodes_a_prefilled_prompt_before_the_f
     quiet = LiveSession(model, plan, baseline, backing=ON, classifier=_Risky(), monitor=False)
     torch.testing.assert_close(quiet.prefill(ids), logits, atol=1e-4, rtol=0)  # the check acts after the logits
     assert quiet.counters.steps == 0
+    # The ablation: without the check the prompt's last token is an ordinary token, and no step is due yet.
+    off = LiveSession(model, plan, baseline, backing=ON, classifier=_Risky(),
+                      config=MonitorConfig(window_tokens=8, refresh_tokens=8, baseline_tokens=16, promote_steps=2,
+                                           min_saving_kept=0.0, prompt_check=False))
+    torch.testing.assert_close(off.prefill(ids), logits, atol=1e-4, rtol=0)
+    assert off.counters.steps == 0 and off.state.tiers == off.state.floor

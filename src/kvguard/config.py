@@ -99,6 +99,9 @@ class MonitorConfig:
             stores the layer's history again at the promoted tiers, from the originals the tier holds, as long
             as the hot cache keeps at least ``min_saving_kept`` of the memory the plan saves (at the same
             length); past that, promotions change new tokens only.
+        prompt_check: the last token of a prefilled prompt is a monitoring step of its own (risk only), so layers
+            at risk are promoted before the first decoded token; ``False``: the first step comes after
+            ``refresh_tokens`` decoded tokens (the ablation).
         cooldown_steps: steps without a severe alarm before the ladder steps down from level 1; doubles with
             every level.
         layers: the monitored layers (``None``: all).
@@ -125,6 +128,7 @@ class MonitorConfig:
     cooldown_steps: int = 4
     reencode_history: bool = True
     min_saving_kept: float = 0.8
+    prompt_check: bool = True
     layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

@@ -144,7 +144,7 @@ class LiveSession:
         if ids.numel() > 1:
             self.ids.extend(ids[:-1].tolist())  # from the caller's tensor, before it is on the device
             self._forward(ids[:-1].view(1, -1).to(self.model.device))
-        return self.step(int(ids[-1]), prompt=ids.numel() > 1)
+        return self.step(int(ids[-1]), prompt=ids.numel() > 1 and self.config.prompt_check)
 
     @torch.no_grad()
     def step(self, token: int, *, prompt: bool = False) -> torch.Tensor:
