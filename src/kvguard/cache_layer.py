@@ -366,10 +366,11 @@ class KVGuardLayer(CacheLayerMixin):
         if self._win_k.shape[-2]:
             segments.append(fused_attention.StoredSegment(column, self._win_k.shape[-2], None, self._win_k, self._win_v))
             column += self._win_k.shape[-2]
+        correct = self.config.score_correction
         if self._overlay_pos is None or not self._overlay_pos.numel():
-            return fused_attention.StoredRead(tuple(segments), column)
+            return fused_attention.StoredRead(tuple(segments), column, score_correction=correct)
         return fused_attention.StoredRead(tuple(segments), column, self._overlay_pos - self.offset,
-                                          self._overlay_k, self._overlay_v)
+                                          self._overlay_k, self._overlay_v, correct)
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         n = keys.shape[-2]

@@ -27,6 +27,10 @@ class CacheConfig:
             ``float16`` (what a serving engine stores), ``bfloat16``, ``float32``, or ``model`` (the dtype
             the model computes in; bit-exact with ``DynamicCache``).
         key_clip / value_clip: default clipping ratios (calibration sets per-layer ones).
+        score_correction: subtract the softmax bias that rounding noise adds to the scores of keys stored below
+            INT8 (:mod:`kvguard.score_bias`; no storage). Applied where attention reads the codes: the fused
+            decode attention and the decoding simulation; a multi-token chunk that reads dequantized keys is not
+            corrected.
     """
 
     residual: int = 64
@@ -35,6 +39,7 @@ class CacheConfig:
     fp_dtype: str = "float16"
     key_clip: float = 1.0
     value_clip: float = 1.0
+    score_correction: bool = False
 
     def __post_init__(self) -> None:
         if self.residual < 0 or self.sinks < 0:
@@ -52,7 +57,10 @@ class CacheConfig:
         return _FP_DTYPES[self.fp_dtype] or model_dtype
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not self.score_correction:
+            del out["score_correction"]  # off: profiles read the same as before it existed
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "CacheConfig":

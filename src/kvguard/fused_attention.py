@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from kvguard import score_bias
 from kvguard.quantizer import Axis, QuantizedTensor
 
 MAX_QUERY = 8  # new tokens per step read through the kernels; a longer chunk (a prefill) materializes
@@ -82,6 +83,7 @@ class StoredRead:
         length: stored tokens (the new tokens' columns follow).
         overlay_columns: ``[P]`` columns served from the full-precision overlay (``None``: no overlay), with
             ``overlay_keys`` / ``overlay_values`` ``[B, H_kv, P, D]``.
+        score_correction: correct the scores of keys read from codes below INT8 (:mod:`kvguard.score_bias`).
     """
 
     segments: tuple[StoredSegment, ...]
@@ -89,6 +91,7 @@ class StoredRead:
     overlay_columns: torch.Tensor | None = None
     overlay_keys: torch.Tensor | None = None
     overlay_values: torch.Tensor | None = None
+    score_correction: bool = False
 
 
 # ------------------------------------------------------------------------------------------ the extension
@@ -165,13 +168,19 @@ def _codes(x: QuantizedTensor, batch: int, heads: int) -> tuple:
     return codes, x.scale, zero, spec.precision.bits, 1, spec.group_size
 
 
-def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegment) -> None:
+def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegment, correct: bool = False) -> None:
     qs = q if seg.heads is None else q.index_select(1, seg.heads)
     if seg.key_rotation is not None:
         qs = qs @ seg.key_rotation  # (q R) . (k R) = q . k
     if isinstance(seg.keys, QuantizedTensor):
         heads = seg.heads if seg.heads is not None else torch.empty(0, dtype=torch.long)
         ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_codes(seg.keys, q.shape[0], qs.shape[1]))
+        if correct and score_bias.applies(seg.keys.spec):
+            bias = score_bias.correction(qs, seg.keys)  # [B, h, R, T], in the keys' (rotated) basis
+            if seg.heads is None:
+                scores[..., seg.start:seg.start + seg.length] += bias
+            else:
+                scores[:, seg.heads, :, seg.start:seg.start + seg.length] += bias
         return
     part = qs @ seg.keys.to(torch.float32).transpose(-1, -2)  # [B, h, R, T]
     if seg.heads is None:
@@ -238,7 +247,7 @@ def attend_with_probs(query: torch.Tensor, read: StoredRead, key: torch.Tensor, 
     q = (query.to(torch.float32) * scaling).reshape(b, hkv, rep * tq, d).contiguous()
     scores = torch.empty(b, hkv, rep * tq, n, dtype=torch.float32, device=query.device)
     for seg in read.segments:
-        _score_segment(ops, scores, q, seg)
+        _score_segment(ops, scores, q, seg, read.score_correction)
     scores[..., read.length:] = q @ key.to(torch.float32).transpose(-1, -2)
     overlay = read.overlay_columns
     if overlay is not None:

@@ -144,6 +144,11 @@ class Plan:
         layers = tuple(replace(lp, key_rotation=keys, value_rotation=values) for lp in self.layers)
         return Plan(layers, self.cache)
 
+    def with_score_correction(self, on: bool = True) -> "Plan":
+        """This plan with the softmax-bias correction of quantized keys' scores on or off
+        (``CacheConfig.score_correction``)."""
+        return Plan(self.layers, replace(self.cache, score_correction=on))
+
     def replace_layer(self, index: int, layer: LayerPlan) -> "Plan":
         """This plan with layer ``index`` replaced."""
         layers = list(self.layers)

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from kvguard import attention, rotation
+from kvguard import attention, rotation, score_bias as key_noise
 from kvguard.architecture import Architecture
 from kvguard.plan import Plan, StaticScales
 from kvguard.precision import Precision
@@ -89,6 +89,36 @@ def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axi
     return out
 
 
+def _key_step_variance(k_fp: torch.Tensor, precisions, start: int, end: int, group_size: int, clip: float,
+                       rot: torch.Tensor | None) -> torch.Tensor:
+    """``[B, H, T, D]``: the rounding-noise variance of every key element positions ``[start, end)`` store, in the
+    rotated basis where the keys are rotated; 0 where :func:`kvguard.score_bias.applies` says no correction."""
+    var = torch.zeros_like(k_fp)
+    for h, precision in enumerate(precisions):
+        if end <= start or not precision.is_quantized:
+            continue
+        spec = QuantSpec(precision, Axis.CHANNEL, group_size, clip)
+        if not key_noise.applies(spec):
+            continue
+        part = k_fp[:, h:h + 1, start:end]  # [B, 1, T', D]
+        if rot is not None:
+            part = rotation.rotate(part, rot[h:h + 1])
+        scale = quantize(part, spec).scale
+        var[:, h:h + 1, start:end] = key_noise.step_variance(scale, spec, end - start, k_fp.shape[-1])
+    return var
+
+
+def _score_correction(query: torch.Tensor, k_fp: torch.Tensor, plan: Plan, layer: int, end: int) -> torch.Tensor:
+    """``[B, H_q, T, T]``: :mod:`kvguard.score_bias`'s correction of every (query, key) score, as the cache applies
+    it to keys read from their codes (``query`` times the score scaling; the caller masks it to those keys)."""
+    lp = plan.layers[layer]
+    rot = rotation.signs(k_fp.shape[-1], k_fp.shape[1], layer, k_fp.device) if lp.key_rotation else None
+    var = _key_step_variance(k_fp, lp.precision, plan.cache.sinks, end, plan.cache.group_size, lp.key_clip, rot)
+    rep = query.shape[1] // k_fp.shape[1]
+    q = query if rot is None else rotation.rotate(query, rot.repeat_interleave(rep, dim=0))
+    return -0.5 * (q.square() @ attention.expand_kv(var, rep).transpose(-1, -2))
+
+
 class _SimulationHook:
     """Attention of every query against the keys/values as chunk-1 decoding through the cache shows them."""
 
@@ -132,6 +162,8 @@ class _SimulationHook:
         scores = torch.where(diagonal, exact_self.unsqueeze(-1), scores)
         if self.score_bias is not None:
             scores = scores + self.score_bias(layer_idx, q32 * scaling, k_fp).masked_fill(~quantized, 0.0)
+        elif plan.cache.score_correction:
+            scores = scores + _score_correction(q32 * scaling, k_fp, plan, layer_idx, end).masked_fill(~quantized, 0.0)
         scores = attention.softcapped(scores, softcap)
         if attention_mask is not None:
             scores = scores + attention_mask.to(torch.float32)

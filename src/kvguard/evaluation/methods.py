@@ -5,7 +5,8 @@
   (:class:`~kvguard.config.CacheConfig`: 4 sinks, FP window 64, group 32).
 - ``<static method>+rot`` / ``+rotk`` / ``+rotv``: that plan with the Hadamard rotation
   (:mod:`kvguard.rotation`) on keys and values / keys only / values only of every layer below INT8, e.g.
-  ``int3+rotv`` or ``kvguard@0.25+rot``.
+  ``int3+rotv`` or ``kvguard@0.25+rot``; ``<static method>+sb``: that plan with the softmax-bias correction of
+  the quantized keys' scores (:mod:`kvguard.score_bias`), e.g. ``kvguard@0.22+sb``.
 - ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
@@ -213,16 +214,22 @@ def fp8_method(name: str, profile) -> Method:
 
 # ``+<modifier>`` -> (rotate keys, rotate values).
 ROTATIONS = {"rot": (True, True), "rotk": (True, False), "rotv": (False, True)}
+SCORE_CORRECTION = "sb"  # ``+sb``: the softmax-bias correction of quantized keys' scores (kvguard.score_bias)
 
 
-def rotated_method(name: str, profile=None) -> Method:
-    """``<static method>+rot|rotk|rotv``: that method's plan with keys and/or values rotated."""
+def modified_method(name: str, profile=None) -> Method:
+    """``<static method>+rot|rotk|rotv|sb``: that method's plan with keys and/or values rotated, or with the
+    softmax-bias correction on."""
     base_name, modifier = name.rsplit("+", 1)
-    if modifier not in ROTATIONS:
-        raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are [{', '.join(ROTATIONS)}]")
+    if modifier not in ROTATIONS and modifier != SCORE_CORRECTION:
+        raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are "
+                         f"[{', '.join(ROTATIONS)}, {SCORE_CORRECTION}]")
     base = get(base_name, profile)
     if not base.simulatable:
-        raise ValueError(f"{name!r}: rotation applies to a static kvguard plan; {base_name!r} is not one")
+        raise ValueError(f"{name!r}: +{modifier} applies to a static kvguard plan; {base_name!r} is not one")
+    if modifier == SCORE_CORRECTION:
+        return Method(name, f"{base.description}; softmax-bias correction of quantized keys' scores",
+                      lambda arch: base.plan(arch).with_score_correction(), scales=base.scales)
     keys, values = ROTATIONS[modifier]
     side = {"rot": "keys and values", "rotk": "keys", "rotv": "values"}[modifier]
     return Method(name, f"{base.description}; Hadamard-rotated {side}",
@@ -233,7 +240,7 @@ def get(name: str, profile=None) -> Method:
     """The method called ``name`` (profile methods from ``profile``); ``ValueError`` listing the valid names
     otherwise."""
     if "+" in name and not name.startswith(LIVE):
-        return rotated_method(name, profile)
+        return modified_method(name, profile)
     if name in FP8_METHODS:
         if profile is None:
             raise ValueError(f"method {name!r} needs a calibration profile: pass --profile (its scales are what "
@@ -252,7 +259,7 @@ def get(name: str, profile=None) -> Method:
     except KeyError:
         raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard, kvguard@<bytes>, "
                          f"kvguard-live, kvguard-live:<static method>, {', '.join(FP8_METHODS)}, "
-                         f"<static method>+rot|rotk|rotv]") from None
+                         f"<static method>+rot|rotk|rotv|sb]") from None
 
 
 def live_method(name: str, profile) -> Method:
