@@ -12,7 +12,8 @@ It needs no storage: ``Delta`` is the key's group scale, which the cache holds a
 tokens: keys are grouped per channel), and for a rotated side the query is rotated as the stored keys are.
 
 Each method is scored on the eval split by the exact simulation of chunk-1 decoding, with and without the
-correction (``kvguard.simulate``'s ``score_bias``), against the FP16 cache of the same tokens. Nothing is fitted.
+correction (``CacheConfig.score_correction``, :mod:`kvguard.score_bias`; the cache's decode reads apply the same),
+against the FP16 cache of the same tokens. Nothing is fitted.
 """
 
 from __future__ import annotations
@@ -23,49 +24,6 @@ import math
 import sys
 
 import torch
-
-
-def key_variance(k_fp: torch.Tensor, plan, layer: int) -> torch.Tensor:
-    """``[B, H_kv, T, D]``: the rounding-noise variance ``Delta^2 / 12`` of every stored key element as the plan
-    quantizes it (in the rotated basis where the plan rotates keys), 0 for sinks, unquantized tails, FP16 heads."""
-    from kvguard import rotation
-    from kvguard.precision import Precision
-    from kvguard.quantizer import Axis, QuantSpec, quantize
-    from kvguard.simulate import quantize_switch_points
-
-    lp, cfg = plan.layers[layer], plan.cache
-    end, _ = quantize_switch_points(k_fp.shape[2], plan)
-    var = torch.zeros_like(k_fp)
-    s = cfg.sinks
-    signs = rotation.signs(k_fp.shape[-1], k_fp.shape[1], layer) if lp.key_rotation else None
-    for h, precision in enumerate(lp.precision):
-        if not precision.is_quantized or end <= s or precision is Precision.INT8:
-            continue  # INT8's step is two orders of magnitude below INT2's: its bias is negligible
-        part = k_fp[:, h:h + 1, s:end]
-        if signs is not None:
-            part = rotation.rotate(part, signs[h:h + 1])
-        qt = quantize(part, QuantSpec(precision, Axis.CHANNEL, cfg.group_size, lp.key_clip))
-        step = qt.scale.to(torch.float32).repeat_interleave(cfg.group_size, dim=-2)  # [B, 1, T', D]
-        var[:, h:h + 1, s:end] = step.square() / 12.0
-    return var
-
-
-def make_bias(plan):
-    """The :data:`kvguard.simulate.ScoreBias` of ``plan``: ``-sum_d (scaling * q_d)^2 var_jd / 2`` per (query, key)
-    (the hook passes the query already scaled)."""
-    from kvguard import rotation
-
-    def bias(layer: int, query: torch.Tensor, k_fp: torch.Tensor) -> torch.Tensor:
-        var = key_variance(k_fp, plan, layer)  # [B, H_kv, T, D]
-        rep = query.shape[1] // k_fp.shape[1]
-        q = query
-        if plan.layers[layer].key_rotation:
-            s = rotation.signs(k_fp.shape[-1], k_fp.shape[1], layer).repeat_interleave(rep, dim=0)
-            q = rotation.rotate(query, s)
-        var = var.repeat_interleave(rep, dim=1)  # [B, H_q, T, D]
-        return -0.5 * (q.square() @ var.transpose(-1, -2))  # [B, H_q, T_q, T_k]
-
-    return bias
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             method = methods.get(name, profile)
             plan = method.plan(arch)
             row = {"corpus": corpus, "method": name}
-            for label, bias in (("plain", None), ("corrected", make_bias(plan))):
-                logits = simulate_logits(model, ids[:-1], plan, method.scales, score_bias=bias)
+            for label, variant in (("plain", plan), ("corrected", plan.with_score_correction())):
+                logits = simulate_logits(model, ids[:-1], variant, method.scales)
                 score = score_logits(ids, [logits], reference=reference)
                 row[label] = {"ppl_delta_pct": 100.0 * (math.exp(score.nll - fp.nll) - 1.0), "kl": score.kl,
                               "top1_agree": score.top1_agree}
