@@ -24,11 +24,16 @@ def applies(spec: QuantSpec) -> bool:
     return not spec.static and spec.precision.bits < 8
 
 
+def _variance(scale: torch.Tensor) -> torch.Tensor:
+    """``Delta^2 / 12`` per stored scale: the variance of uniform rounding with step ``Delta``."""
+    return scale.to(torch.float32).square() / 12.0
+
+
 def step_variance(scale: torch.Tensor, spec: QuantSpec, tokens: int, dim: int) -> torch.Tensor:
     """``[..., tokens, dim]``: the rounding-noise variance ``Delta^2 / 12`` of every element quantized with
     ``spec`` whose scales are ``scale`` (per channel and group of tokens for keys, per token and group of
     channels for values)."""
-    var = scale.to(torch.float32).square() / 12.0
+    var = _variance(scale)
     if spec.axis is Axis.CHANNEL:
         return var.repeat_interleave(spec.group_size, dim=-2)[..., :tokens, :]
     return var.repeat_interleave(spec.group_size, dim=-1)[..., :dim]
@@ -41,6 +46,6 @@ def correction(query: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
     q2 = query.square()
     if keys.spec.axis is Axis.CHANNEL:
         # One step per channel and group: one small product per group, then repeated over its tokens.
-        per_group = q2 @ (keys.scale.to(torch.float32).square() / 12.0).transpose(-1, -2)  # [B, h, R, T / G]
+        per_group = q2 @ _variance(keys.scale).transpose(-1, -2)  # [B, h, R, T / G]
         return -0.5 * per_group.repeat_interleave(keys.spec.group_size, dim=-1)[..., :tokens]
     return -0.5 * (q2 @ step_variance(keys.scale, keys.spec, tokens, dim).transpose(-1, -2))
