@@ -62,3 +62,16 @@ def test_frontier_spans_low_bit_plans_and_kvguard_at_bytes_picks_them(low_bit):
     with pytest.raises(ValueError, match="no plan at or below"):
         methods.get(f"kvguard@{front[0].memory / 2:.4f}", low_bit)
 
+
+
+def test_low_bit_plans_are_also_scored_with_the_softmax_bias_correction(low_bit):
+    log = {c.name: c for c in low_bit.meta.search_log}
+    corrected = [c for c in log.values() if c.name.endswith(" +sb")]
+    assert corrected and all(c.plan.cache.score_correction for c in corrected)
+    for c in corrected:
+        plain = log[c.name.removesuffix(" +sb")]
+        assert not plain.plan.cache.score_correction
+        assert c.plan.layers == plain.plan.layers and c.memory == plain.memory  # it stores nothing
+        assert c.quality.kl != plain.quality.kl  # measured, not copied
+    # Only the low-bit frontier is corrected; the ablation rows stay as they were searched.
+    assert not any("no " in c.name for c in corrected)
