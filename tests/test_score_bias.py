@@ -15,6 +15,7 @@ from kvguard.evaluation.scoring import score_logits
 from kvguard.plan import LayerPlan, Plan
 from kvguard.quantizer import Axis, QuantSpec, quantize
 from kvguard.simulate import simulate_logits
+from tests.helpers import tiny_llama
 
 
 @pytest.mark.parametrize("axis", [Axis.CHANNEL, Axis.TOKEN])
@@ -48,9 +49,11 @@ def test_the_setting_round_trips_and_leaves_profiles_without_it_unchanged():
     assert CacheConfig.from_dict(CacheConfig().to_dict()) == CacheConfig()
 
 
-def test_the_method_modifier_turns_it_on_for_static_plans_only():
-    arch_plan = methods.get("int2+sb").plan
-    assert arch_plan is not None
+def test_the_method_modifiers_turn_it_on_and_off_for_static_plans_only():
+    arch = Architecture.from_config(tiny_llama().config)
+    on, off = methods.get("int2+sb").plan(arch), methods.get("int2+sb+nosb").plan(arch)
+    assert on.cache.score_correction and not off.cache.score_correction
+    assert off == methods.get("int2").plan(arch) and on.layers == off.layers
     with pytest.raises(ValueError, match="unknown modifier"):
         methods.get("int2+bias")
     with pytest.raises(ValueError, match="static kvguard plan"):

@@ -6,7 +6,8 @@
 - ``<static method>+rot`` / ``+rotk`` / ``+rotv``: that plan with the Hadamard rotation
   (:mod:`kvguard.rotation`) on keys and values / keys only / values only of every layer below INT8, e.g.
   ``int3+rotv`` or ``kvguard@0.25+rot``; ``<static method>+sb``: that plan with the softmax-bias correction of
-  the quantized keys' scores (:mod:`kvguard.score_bias`), e.g. ``kvguard@0.22+sb``.
+  the quantized keys' scores (:mod:`kvguard.score_bias`), e.g. ``int2+sb``; ``+nosb``: without it (calibration
+  keeps it in the low-bit frontier plans where it measured a lower KL), e.g. ``kvguard@0.22+nosb``.
 - ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
@@ -215,21 +216,25 @@ def fp8_method(name: str, profile) -> Method:
 # ``+<modifier>`` -> (rotate keys, rotate values).
 ROTATIONS = {"rot": (True, True), "rotk": (True, False), "rotv": (False, True)}
 SCORE_CORRECTION = "sb"  # ``+sb``: the softmax-bias correction of quantized keys' scores (kvguard.score_bias)
+NO_SCORE_CORRECTION = "nosb"  # ``+nosb``: without it (the search keeps it in the frontier plans it helps)
 
 
 def modified_method(name: str, profile=None) -> Method:
-    """``<static method>+rot|rotk|rotv|sb``: that method's plan with keys and/or values rotated, or with the
-    softmax-bias correction on."""
+    """``<static method>+rot|rotk|rotv|sb|nosb``: that method's plan with keys and/or values rotated, or with the
+    softmax-bias correction on / off."""
     base_name, modifier = name.rsplit("+", 1)
-    if modifier not in ROTATIONS and modifier != SCORE_CORRECTION:
+    if modifier not in ROTATIONS and modifier not in (SCORE_CORRECTION, NO_SCORE_CORRECTION):
         raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are "
-                         f"[{', '.join(ROTATIONS)}, {SCORE_CORRECTION}]")
+                         f"[{', '.join(ROTATIONS)}, {SCORE_CORRECTION}, {NO_SCORE_CORRECTION}]")
     base = get(base_name, profile)
     if not base.simulatable:
         raise ValueError(f"{name!r}: +{modifier} applies to a static kvguard plan; {base_name!r} is not one")
     if modifier == SCORE_CORRECTION:
         return Method(name, f"{base.description}; softmax-bias correction of quantized keys' scores",
                       lambda arch: base.plan(arch).with_score_correction(), scales=base.scales)
+    if modifier == NO_SCORE_CORRECTION:
+        return Method(name, f"{base.description}; without the softmax-bias correction",
+                      lambda arch: base.plan(arch).with_score_correction(False), scales=base.scales)
     keys, values = ROTATIONS[modifier]
     side = {"rot": "keys and values", "rotk": "keys", "rotv": "values"}[modifier]
     return Method(name, f"{base.description}; Hadamard-rotated {side}",
@@ -259,7 +264,7 @@ def get(name: str, profile=None) -> Method:
     except KeyError:
         raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard, kvguard@<bytes>, "
                          f"kvguard-live, kvguard-live:<static method>, {', '.join(FP8_METHODS)}, "
-                         f"<static method>+rot|rotk|rotv|sb]") from None
+                         f"<static method>+rot|rotk|rotv|sb|nosb]") from None
 
 
 def live_method(name: str, profile) -> Method:
