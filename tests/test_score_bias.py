@@ -2,6 +2,7 @@
 simulation on real text."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from kvguard.control.decoding import CacheDecoder
 from kvguard.evaluation import methods
 from kvguard.evaluation.scoring import score_logits
 from kvguard.plan import LayerPlan, Plan
+from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantSpec, quantize
 from kvguard.simulate import simulate_logits
 from tests.helpers import tiny_llama
@@ -86,3 +88,19 @@ def test_decoding_through_the_cache_applies_the_correction_the_simulation_measur
     # And it does something: the corrected read is not the plain one, in the cache and in the simulation.
     assert not torch.allclose(streamed, decoded(plain), atol=1e-3)
     assert not torch.allclose(simulated, simulate_logits(model, ids[:-1], plain), atol=1e-3)
+
+
+def test_a_read_that_dequantizes_says_the_correction_is_not_applied():
+    from kvguard.cache_layer import KVGuardLayer
+
+    def chunks(config):
+        layer = KVGuardLayer(Precision.INT2, config, 0)
+        torch.manual_seed(0)
+        for n in (64, 16):  # the second chunk reads a stored past of INT2 groups the dequantizing way
+            layer.update(torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16))
+
+    with pytest.warns(RuntimeWarning, match="score_correction is on"):
+        chunks(CacheConfig(residual=8, group_size=8, sinks=0, score_correction=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunks(CacheConfig(residual=8, group_size=8, sinks=0))

@@ -38,6 +38,7 @@ same. Everything else (prefill, hooks, a missing kernel build) keeps the materia
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -49,6 +50,10 @@ from kvguard.backing import BackingStore
 from kvguard.config import CacheConfig
 from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize
+
+_UNCORRECTED = ("score_correction is on, but this read dequantizes the stored keys (a chunk of more than "
+                f"{fused_attention.MAX_QUERY} tokens, or a cache off the CPU): the softmax-bias correction applies "
+                "only where the fused CPU decode attention reads the codes, so these scores are uncorrected")
 
 
 def _nbytes(t: "QuantizedTensor | torch.Tensor | None") -> int:
@@ -335,6 +340,8 @@ class KVGuardLayer(CacheLayerMixin):
             self._append(key_states, value_states)
             self._trim()
             return key_states, value_states
+        if self.config.score_correction and self._runs:
+            warnings.warn(_UNCORRECTED, RuntimeWarning, stacklevel=2)
         past_k, past_v = self.materialize(key_states.dtype)
         self.stored_last_update = False
         self._append(key_states, value_states)
