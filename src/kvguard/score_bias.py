@@ -24,6 +24,12 @@ def applies(spec: QuantSpec) -> bool:
     return not spec.static and spec.precision.bits < 8
 
 
+def corrects(precisions) -> bool:
+    """Whether turning the correction on changes a plan whose KV heads store keys at ``precisions``: some are
+    below INT8 (only INT8 keys use static scales, and INT8 and FP16 are never corrected)."""
+    return any(p.is_quantized and applies(QuantSpec(p, Axis.CHANNEL)) for p in precisions)
+
+
 def _variance(scale: torch.Tensor) -> torch.Tensor:
     """``Delta^2 / 12`` per stored scale: the variance of uniform rounding with step ``Delta``."""
     return scale.to(torch.float32).square() / 12.0

@@ -63,7 +63,6 @@ def test_frontier_spans_low_bit_plans_and_kvguard_at_bytes_picks_them(low_bit):
         methods.get(f"kvguard@{front[0].memory / 2:.4f}", low_bit)
 
 
-
 def test_low_bit_plans_are_also_scored_with_the_softmax_bias_correction(low_bit):
     log = {c.name: c for c in low_bit.meta.search_log}
     corrected = [c for c in log.values() if c.name.endswith(" +sb")]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from kvguard import score_bias
 from kvguard.calibration.distributed import Executor, LocalExecutor
 from kvguard.calibration.heldout import HeldOut
 from kvguard.calibration.latency import TIERS, LatencyModel
@@ -235,7 +236,8 @@ class Searcher:
         it lowered the evaluation split's KL by 18-44 %, but it is an approximation: whether it helps a plan is
         a measurement, not an assumption)."""
         todo = [(f"{c.name} +sb", c.level, c.plan.with_score_correction()) for c in candidates
-                if not c.plan.cache.score_correction and _corrects_keys(c.plan)]
+                if not c.plan.cache.score_correction
+                and score_bias.corrects(p for lp in c.plan.layers for p in lp.precision)]
         return self.evaluate_all(todo, "search level 2, corrected") if todo else []
 
     # ------------------------------------------------------------------ level 3
@@ -254,11 +256,6 @@ class Searcher:
                 if cand.quality.kl < current.quality.kl:
                     current = cand
         return out
-
-
-def _corrects_keys(plan: Plan) -> bool:
-    """Whether the correction would change ``plan``: some layer stores keys below INT8 with dynamic scales."""
-    return any(p.is_quantized and p.bits < 8 for lp in plan.layers for p in lp.precision)
 
 
 def level2_targets(int4: Candidate, objective: Objective, int8_memory: float) -> list[float]:

@@ -215,26 +215,26 @@ def fp8_method(name: str, profile) -> Method:
 
 # ``+<modifier>`` -> (rotate keys, rotate values).
 ROTATIONS = {"rot": (True, True), "rotk": (True, False), "rotv": (False, True)}
-SCORE_CORRECTION = "sb"  # ``+sb``: the softmax-bias correction of quantized keys' scores (kvguard.score_bias)
-NO_SCORE_CORRECTION = "nosb"  # ``+nosb``: without it (the search keeps it in the frontier plans it helps)
+# ``+sb`` / ``+nosb`` -> the softmax-bias correction of quantized keys' scores (kvguard.score_bias) on / off (the
+# search keeps it in the frontier plans it helps), and what the method's description says.
+SCORE_CORRECTION = {"sb": (True, "softmax-bias correction of quantized keys' scores"),
+                    "nosb": (False, "without the softmax-bias correction")}
 
 
 def modified_method(name: str, profile=None) -> Method:
     """``<static method>+rot|rotk|rotv|sb|nosb``: that method's plan with keys and/or values rotated, or with the
     softmax-bias correction on / off."""
     base_name, modifier = name.rsplit("+", 1)
-    if modifier not in ROTATIONS and modifier not in (SCORE_CORRECTION, NO_SCORE_CORRECTION):
+    if modifier not in ROTATIONS and modifier not in SCORE_CORRECTION:
         raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are "
-                         f"[{', '.join(ROTATIONS)}, {SCORE_CORRECTION}, {NO_SCORE_CORRECTION}]")
+                         f"[{', '.join([*ROTATIONS, *SCORE_CORRECTION])}]")
     base = get(base_name, profile)
     if not base.simulatable:
         raise ValueError(f"{name!r}: +{modifier} applies to a static kvguard plan; {base_name!r} is not one")
-    if modifier == SCORE_CORRECTION:
-        return Method(name, f"{base.description}; softmax-bias correction of quantized keys' scores",
-                      lambda arch: base.plan(arch).with_score_correction(), scales=base.scales)
-    if modifier == NO_SCORE_CORRECTION:
-        return Method(name, f"{base.description}; without the softmax-bias correction",
-                      lambda arch: base.plan(arch).with_score_correction(False), scales=base.scales)
+    if modifier in SCORE_CORRECTION:
+        on, what = SCORE_CORRECTION[modifier]
+        return Method(name, f"{base.description}; {what}",
+                      lambda arch: base.plan(arch).with_score_correction(on), scales=base.scales)
     keys, values = ROTATIONS[modifier]
     side = {"rot": "keys and values", "rotk": "keys", "rotv": "values"}[modifier]
     return Method(name, f"{base.description}; Hadamard-rotated {side}",
