@@ -26,6 +26,22 @@ def test_identical_distributions_score_zero_kl_and_full_agreement():
     assert m.kl == pytest.approx(0.0, abs=1e-6) and m.top1_agree == 1.0
 
 
+def test_many_rows_match_the_direct_formulas_and_leave_the_inputs_untouched():
+    # More rows than one step holds, so the per-step sums and the in-place arithmetic are both exercised.
+    torch.manual_seed(0)
+    logits, ref_logits = torch.randn(37, 50) * 3, torch.randn(37, 50) * 3
+    ref = torch.log_softmax(ref_logits, -1)
+    targets = torch.randint(0, 50, (37,))
+    logits_before, ref_before = logits.clone(), ref.clone()
+    m = TokenMetrics()
+    m.add(logits, targets, ref)
+    logprobs = torch.log_softmax(logits.double(), -1)
+    assert m.nll == pytest.approx(float(-logprobs.gather(-1, targets[:, None]).mean()), rel=1e-6)
+    assert m.kl == pytest.approx(float((ref.double().exp() * (ref.double() - logprobs)).sum(-1).mean()), rel=1e-5)
+    assert m.top1_agree == float((ref.argmax(-1) == logits.argmax(-1)).double().mean())
+    assert torch.equal(logits, logits_before) and torch.equal(ref, ref_before)
+
+
 def test_metrics_without_reference_and_shape_errors():
     m = TokenMetrics()
     m.add(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
