@@ -2,11 +2,11 @@
 
     .venv/bin/python benchmarks/backing.py --model smollm2-135m --profile P [--base kvguard@0.22]
         [--corpus prose,code,dialog] [--tokens 2048] [--cap-mib 256] [--variants recompute,restore,reencode]
-        [--json F]
+        [--split eval] [--set NAME=VALUE ...] [--json F]
 
-Scores, side by side on the same evaluation-split tokens of each corpus: ``fp16`` (the reference), ``<base>``
-(no loop), and the loop ``kvguard-live:<base>`` in up to three variants, the ablation of what the backing tier
-(:mod:`kvguard.backing`) adds:
+Scores, side by side on the same tokens of each corpus (the evaluation split; ``--split calib``: calibration
+text): ``fp16`` (the reference), ``<base>`` (no loop), and the loop ``kvguard-live:<base>`` in up to three
+variants, the ablation of what the backing tier (:mod:`kvguard.backing`) adds:
 
 - ``recompute``: no backing tier; compensation recomputes against the quantized past, a promotion changes the
   tier of new tokens only;
@@ -19,12 +19,16 @@ Scores, side by side on the same evaluation-split tokens of each corpus: ``fp16`
 over ``fp16``) the loop takes back; ``fp_share`` the (layer, position) pairs held at full precision by
 restoring or recomputing; ``reencoded_share`` the (layer, position) pairs whose history was stored again;
 ``saving_kept`` the share of the base plan's memory saving the hot cache keeps. Thresholds come from the
-profile; nothing is tuned here.
+profile; nothing is tuned here. ``--set NAME=VALUE`` (repeatable) overrides one of the loop's monitor settings
+(:class:`~kvguard.config.MonitorConfig`) for every variant, to try a policy change; try it on ``--split calib``
+text first, so that the evaluation split is not what picks it. ``kl_by_quarter`` (JSON) is each quarter of the
+stream's mean KL, which shows whether the loop's remaining gap is early (before it acts) or late.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -45,8 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--cap-mib", type=float, default=256.0, help="the backing tier's byte cap, in MiB")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
+    parser.add_argument("--split", default="eval", choices=("eval", "calib"), help="the text split to score on")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="override a monitor setting for the loop, e.g. demote_steps=1000000 (repeatable)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    try:
+        overrides = monitor_overrides(args.set)
+    except ValueError as e:
+        parser.error(str(e))
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -54,24 +65,60 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok = models.load(args.model)
     profile = Profile.load(args.profile, model)
-    print(f"{args.model}, {args.tokens} tokens per corpus, loop over {args.base}, profile {args.profile}", flush=True)
+    print(f"{args.model}, {args.tokens} {args.split}-split tokens per corpus, loop over {args.base}, profile "
+          f"{args.profile}" + "".join(f", {s}" for s in args.set), flush=True)
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS), flush=True)
     rows = []
     for corpus in args.corpus.split(","):
-        ids = data.token_stream(corpus, "eval", tok, args.tokens)
-        for row in corpus_rows(model, profile, ids, args.base, variants, args.cap_mib):
+        ids = data.token_stream(corpus, args.split, tok, args.tokens)
+        for row in corpus_rows(model, profile, ids, args.base, variants, args.cap_mib, overrides):
             row["corpus"] = corpus
             rows.append(row)
             print("| " + " | ".join(_fmt(row.get(c)) for c in COLUMNS) + " |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "base": args.base, "tokens": args.tokens, "cap_mib": args.cap_mib,
-                       "rows": rows}, f, indent=1)
+            json.dump({"model": args.model, "base": args.base, "tokens": args.tokens, "split": args.split,
+                       "cap_mib": args.cap_mib, "monitor_overrides": overrides, "rows": rows}, f, indent=1)
     return 0
 
 
-def corpus_rows(model, profile, ids, base_name: str, variants: list[str], cap_mib: float) -> list[dict]:
+def monitor_overrides(settings: list[str]) -> dict:
+    """``["NAME=VALUE", ...]`` -> monitor setting overrides (values parsed as JSON: numbers, booleans, lists)."""
+    from kvguard.config import MonitorConfig
+
+    names = {f.name for f in dataclasses.fields(MonitorConfig)}
+    out = {}
+    for item in settings:
+        name, sep, value = item.partition("=")
+        if not sep or name not in names:
+            raise ValueError(f"--set wants NAME=VALUE with NAME one of {', '.join(sorted(names))}; got {item!r}")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"--set {name}: {value!r} is not a number, boolean or list") from None
+        out[name] = tuple(parsed) if isinstance(parsed, list) else parsed
+    return out
+
+
+def _token_kl(logits: "torch.Tensor", reference: "torch.Tensor") -> "torch.Tensor":
+    """``[T]``: each position's KL(reference || softmax(logits)), 256 positions at a time."""
+    import torch
+
+    out = []
+    for i in range(0, logits.shape[0], 256):
+        ref = reference[i:i + 256]
+        out.append((ref.exp() * (ref - torch.log_softmax(logits[i:i + 256].float(), dim=-1))).sum(-1))
+    return torch.cat(out)
+
+
+def _quarters(per_token: "torch.Tensor") -> list[float]:
+    """Mean of each quarter of a ``[T]`` per-token series."""
+    return [float(q.mean()) for q in per_token.chunk(4)]
+
+
+def corpus_rows(model, profile, ids, base_name: str, variants: list[str], cap_mib: float,
+                overrides: dict | None = None) -> list[dict]:
     """The reference, the base plan and each loop variant on one token stream."""
     import torch
 
@@ -86,21 +133,23 @@ def corpus_rows(model, profile, ids, base_name: str, variants: list[str], cap_mi
     reference = torch.log_softmax(fp16.logits, dim=-1)
     base = methods.get(base_name, profile)
     plan = base.plan(arch)
-    static = score_simulated(model, ids, plan, reference=reference, scales=base.scales)
+    static = score_simulated(model, ids, plan, reference=reference, scales=base.scales, keep_logits=True)
     stored, full = plan.kv_bytes(model.config, ids.numel() - 1, base.scales)
     rows = [{"method": "fp16", "ppl": fp16.perplexity, "kl": 0.0, "top1_agree": 1.0},
             {"method": base_name, "ppl": static.perplexity, "kl": static.kl, "top1_agree": static.top1_agree,
-             "kv_bytes_ratio": stored / full, "saving_kept": 1.0}]
+             "kv_bytes_ratio": stored / full, "saving_kept": 1.0,
+             "kl_by_quarter": _quarters(_token_kl(static.logits, reference))}]
     live = methods.get(f"kvguard-live:{base_name}", profile)
     backing = BackingConfig(enabled=True, max_bytes=int(cap_mib * 2**20))
     settings = {"recompute": ({"backing": None}, {}),
                 "restore": ({"backing": backing}, {"reencode_history": False}),
                 "reencode": ({"backing": backing}, {})}
     for variant in variants:
-        kwargs, overrides = settings[variant]
+        kwargs, variant_overrides = settings[variant]
         name = f"kvguard-live:{base_name} ({variant})"
-        session = live.session(model, sequence_id=name, monitor_overrides=overrides, **kwargs)
-        score = score_live(session, ids, reference=reference, desc=name)
+        session = live.session(model, sequence_id=name, monitor_overrides={**(overrides or {}), **variant_overrides},
+                               **kwargs)
+        score = score_live(session, ids, reference=reference, keep_logits=True, desc=name)
         s = session.summary()
         pairs = s["tokens"] * arch.num_layers
         ratio = s["kv_bytes"] / s["kv_bytes_fp16"]
@@ -110,7 +159,8 @@ def corpus_rows(model, profile, ids, base_name: str, variants: list[str], cap_mi
                      "reencoded_positions": s["reencoded_positions"], "fp_share": s["recompute_fraction"],
                      "reencoded_share": s["reencoded_positions"] / pairs, "kv_bytes_ratio": ratio,
                      "saving_kept": (1 - ratio) / (1 - stored / full), "backing_mib": s["backing_bytes"] / 2**20,
-                     "max_level": s["max_level"], "actions": s["actions"], "precisions": s["precisions"]})
+                     "max_level": s["max_level"], "actions": s["actions"], "precisions": s["precisions"],
+                     "kl_by_quarter": _quarters(_token_kl(score.logits, reference))})
     for row in rows:
         row["kl_gap_recovered"] = 1 - row["kl"] / static.kl if static.kl else None
         excess = static.perplexity - fp16.perplexity
