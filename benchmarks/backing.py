@@ -101,20 +101,18 @@ def monitor_overrides(settings: list[str]) -> dict:
     return out
 
 
-def _token_kl(logits: "torch.Tensor", reference: "torch.Tensor") -> "torch.Tensor":
-    """``[T]``: each position's KL(reference || softmax(logits)), 256 positions at a time."""
-    import torch
+def _kl_by_quarter(logits: "torch.Tensor", reference: "torch.Tensor", ids: "torch.Tensor") -> list[float]:
+    """The mean KL of each quarter of a stream's ``[T - 1, vocab]`` predictions against ``reference``."""
+    from kvguard.evaluation.metrics import TokenMetrics
 
+    n = logits.shape[0]
+    step = -(-n // 4)
     out = []
-    for i in range(0, logits.shape[0], 256):
-        ref = reference[i:i + 256]
-        out.append((ref.exp() * (ref - torch.log_softmax(logits[i:i + 256].float(), dim=-1))).sum(-1))
-    return torch.cat(out)
-
-
-def _quarters(per_token: "torch.Tensor") -> list[float]:
-    """Mean of each quarter of a ``[T]`` per-token series."""
-    return [float(q.mean()) for q in per_token.chunk(4)]
+    for i in range(0, n, step):
+        m = TokenMetrics()
+        m.add(logits[i:i + step], ids[1 + i:1 + i + step], reference[i:i + step])
+        out.append(m.kl)
+    return out
 
 
 def corpus_rows(model, profile, ids, base_name: str, variants: list[str], cap_mib: float,
@@ -138,7 +136,7 @@ def corpus_rows(model, profile, ids, base_name: str, variants: list[str], cap_mi
     rows = [{"method": "fp16", "ppl": fp16.perplexity, "kl": 0.0, "top1_agree": 1.0},
             {"method": base_name, "ppl": static.perplexity, "kl": static.kl, "top1_agree": static.top1_agree,
              "kv_bytes_ratio": stored / full, "saving_kept": 1.0,
-             "kl_by_quarter": _quarters(_token_kl(static.logits, reference))}]
+             "kl_by_quarter": _kl_by_quarter(static.logits, reference, ids)}]
     live = methods.get(f"kvguard-live:{base_name}", profile)
     backing = BackingConfig(enabled=True, max_bytes=int(cap_mib * 2**20))
     settings = {"recompute": ({"backing": None}, {}),
@@ -160,7 +158,7 @@ def corpus_rows(model, profile, ids, base_name: str, variants: list[str], cap_mi
                      "reencoded_share": s["reencoded_positions"] / pairs, "kv_bytes_ratio": ratio,
                      "saving_kept": (1 - ratio) / (1 - stored / full), "backing_mib": s["backing_bytes"] / 2**20,
                      "max_level": s["max_level"], "actions": s["actions"], "precisions": s["precisions"],
-                     "kl_by_quarter": _quarters(_token_kl(score.logits, reference))})
+                     "kl_by_quarter": _kl_by_quarter(score.logits, reference, ids)})
     for row in rows:
         row["kl_gap_recovered"] = 1 - row["kl"] / static.kl if static.kl else None
         excess = static.perplexity - fp16.perplexity
