@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
     parser.add_argument("--split", default="eval", choices=("eval", "calib"), help="the text split to score on")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="override a monitor setting for the loop, e.g. demote_steps=1000000 (repeatable)")
+                        help="override a monitor setting for the loop, e.g. demotion=risk (repeatable)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     try:
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def monitor_overrides(settings: list[str]) -> dict:
-    """``["NAME=VALUE", ...]`` -> monitor setting overrides (values parsed as JSON: numbers, booleans, lists)."""
+    """``["NAME=VALUE", ...]`` -> monitor setting overrides (values parsed as JSON: numbers, booleans, lists; a value
+    that is not JSON, such as ``demotion=risk``, is taken as a word)."""
     from kvguard.config import MonitorConfig
 
     names = {f.name for f in dataclasses.fields(MonitorConfig)}
@@ -96,7 +97,7 @@ def monitor_overrides(settings: list[str]) -> dict:
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
-            raise ValueError(f"--set {name}: {value!r} is not a number, boolean or list") from None
+            parsed = value
         out[name] = tuple(parsed) if isinstance(parsed, list) else parsed
     return out
 

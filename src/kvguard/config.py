@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from enum import Enum
 
 import torch
 
@@ -70,6 +71,19 @@ class CacheConfig:
         return cls(**data)
 
 
+class Demotion(str, Enum):
+    """When the loop takes a promoted layer back down.
+
+    ``budget``: only when the hot cache runs out of its memory budget (the least risky promoted layer first).
+    ``risk``: also after ``demote_steps`` quiet steps at or below ``demote_risk``. The classifier reads the
+    layer's K/V error at the tier it is stored at now, so a promotion lowers the very risk this rule watches:
+    measured on calibration dialog over SmolLM2's aggressive plan, demoting on low risk gave back 4 points of
+    the KL gap the loop had recovered."""
+
+    BUDGET = "budget"
+    RISK = "risk"
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
     """Thresholds of the feedback loop (the founding design's defaults; a profile stores them, any can be
@@ -95,11 +109,13 @@ class MonitorConfig:
             the most its full-precision overlay may hold (the ladder doubles both).
         max_trigger_rate, trigger_rate_steps: above this share of acting steps over the last
             ``trigger_rate_steps`` steps, a "recalibration recommended" event.
-        promote_risk, promote_layer_risk, promote_steps, demote_risk, demote_steps: dynamic precision
-            hysteresis on the risk classifier's output: ``promote_steps`` steps in a row at or above
-            ``promote_risk`` (or, while some layer is there, at or above ``promote_layer_risk``) promote a
-            layer one tier for new tokens; ``demote_steps`` steps at or below ``demote_risk`` demote it
-            one tier, never below the plan; at most ``max_promotion_tiers`` tiers above the plan (the risk
+        promote_risk, promote_layer_risk, promote_steps: dynamic precision on the risk classifier's output:
+            ``promote_steps`` steps in a row at or above ``promote_risk`` (or, while some layer is there, at or
+            above ``promote_layer_risk``) promote a layer one tier for new tokens.
+        demotion, demote_risk, demote_steps: when a promoted layer goes back (:class:`Demotion`): ``budget``
+            (the default), only under memory pressure; ``risk``, also after ``demote_steps`` steps at or below
+            ``demote_risk`` (hysteresis). Never below the plan.
+        max_promotion_tiers: at most this many tiers above the plan (the risk
             reflects old tokens too, which a promotion fixes only as far as the backing tier holds them: without
             a cap a layer would climb to FP16 on the strength of tokens it cannot fix). A promotion also restores
             or recomputes the layer's top positions.
@@ -128,8 +144,9 @@ class MonitorConfig:
     max_trigger_rate: float = 0.05
     trigger_rate_steps: int = 256
     promote_risk: float = 0.9
-    promote_layer_risk: float = 0.5
+    promote_layer_risk: float = 0.3
     promote_steps: int = 2
+    demotion: Demotion = Demotion.BUDGET
     demote_risk: float = 0.2
     demote_steps: int = 32
     max_promotion_tiers: int = 1
@@ -141,6 +158,11 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute_fraction", tuple(float(x) for x in self.recompute_fraction))
+        try:
+            object.__setattr__(self, "demotion", Demotion(self.demotion))
+        except ValueError:
+            raise ValueError(f"monitor setting demotion must be one of {[d.value for d in Demotion]}, "
+                             f"got {self.demotion!r}") from None
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
         for name in ("window_tokens", "refresh_tokens", "baseline_tokens", "trigger_consecutive", "heavy_layers", "trigger_rate_steps",
@@ -175,6 +197,7 @@ class MonitorConfig:
         out = asdict(self)
         out["recompute_fraction"] = list(self.recompute_fraction)
         out["layers"] = None if self.layers is None else list(self.layers)
+        out["demotion"] = self.demotion.value
         return out
 
 

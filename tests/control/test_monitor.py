@@ -36,6 +36,10 @@ def test_config_defaults_are_specs_numbers_and_validate():
         MonitorConfig(warn_drop=0.0)
     with pytest.raises(ValueError, match="hysteresis"):
         MonitorConfig(promote_risk=0.3, demote_risk=0.6)
+    with pytest.raises(ValueError, match="demotion must be one of"):
+        MonitorConfig(demotion="never")
+    risk = MonitorConfig(demotion="risk")
+    assert risk.to_dict()["demotion"] == "risk" and MonitorConfig.from_dict(risk.to_dict()) == risk
 
 
 def test_sequence_reference_tracks_the_texts_level_and_flags_sudden_drops():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvguard.config import MonitorConfig
+from kvguard.config import Demotion, MonitorConfig
 from kvguard.control.policy import (MAX_LEVEL, Action, Alarm, PolicyState, Window, decide, raw_alarms)
 from kvguard.precision import Precision
 
@@ -101,7 +101,7 @@ def test_the_ladder_steps_down_after_doubling_quiet_spells_and_restores_the_plan
 
 
 def test_risk_promotes_after_promote_steps_within_one_tier_and_demotes_slowly():
-    cfg = MonitorConfig(promote_steps=2, demote_steps=2, max_promotion_tiers=1)
+    cfg = MonitorConfig(promote_steps=2, demotion="risk", demote_steps=2, max_promotion_tiers=1)
     state = _state()
     high = _window(risk=(0.95, 0.6, 0.1))
     first = decide(cfg, state, high)
@@ -121,6 +121,21 @@ def test_risk_promotes_after_promote_steps_within_one_tier_and_demotes_slowly():
         downs += [d.layers[0] for d in step.decisions if d.action is Action.PRECISION_DOWN]
     assert state.tiers == state.floor and downs == [0, 1]
     assert state.demotions[:2] == (1, 1)
+
+
+def test_by_default_a_promotion_stays_through_low_risk_and_goes_back_only_over_the_budget():
+    cfg = MonitorConfig(promote_steps=1, demote_steps=2)
+    assert cfg.demotion is Demotion.BUDGET
+    state = decide(cfg, _state(), _window(risk=(0.95, 0.1, 0.1))).state
+    assert state.tiers[0] == (INT8, INT8)
+    for _ in range(40):  # far past demote_steps * 2**demotions of the risk rule
+        step = decide(cfg, state, _window(risk=(0.0, 0.0, 0.0)))
+        assert step.decisions == () and not step.acted
+        state = step.state
+    assert state.tiers[0] == (INT8, INT8)
+    over = Window((0.0,) * 3, (0,) * 3, (True,) * 3, (0.0, 0.0, 0.0), headroom=-0.01)
+    step = decide(cfg, state, over)
+    assert _actions(step) == [(Action.PRECISION_DOWN, Alarm.BUDGET, (0,))] and step.state.tiers == step.state.floor
 
 
 def test_promotions_wait_for_headroom_and_over_budget_the_least_risky_promoted_layer_steps_down():

@@ -21,8 +21,10 @@ The rules (defaults from :class:`~kvguard.config.MonitorConfig`):
 - **risk** (dynamic precision): ``promote_steps`` steps at or above ``promote_risk`` (or ``promote_layer_risk``
   while some layer is at ``promote_risk``; one step at the prompt check) promote a layer one tier for new
   tokens (and for its history, where the session keeps a backing tier), at most ``max_promotion_tiers`` above
-  the plan, and restore or recompute its top positions; ``demote_steps * 2**demotions``
-  steps at or below ``demote_risk`` demote it one tier, never below the plan.
+  the plan, and restore or recompute its top positions. With ``demotion="risk"``, ``demote_steps * 2**demotions``
+  steps at or below ``demote_risk`` demote it one tier, never below the plan; by default (``"budget"``) only the
+  memory budget takes a promotion back: the classifier sees the error at the promoted tier, so a promoted layer
+  looks safe because it was promoted.
 - **memory budget**: promotions go riskiest first, each priced by its extra bits (``Window.bit_cost``), as far
   as the hot cache's room under ``min_saving_kept`` of the plan's saving goes (``Window.headroom``); the rest
   wait. Past the budget, the promoted layer at the lowest risk is demoted one tier a step.
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Sequence
 
-from kvguard.config import MonitorConfig
+from kvguard.config import Demotion, MonitorConfig
 from kvguard.precision import Precision
 
 MAX_LEVEL = 3
@@ -368,9 +370,19 @@ def _dynamic_precision(work: _Work, window: Window, promote_steps: int) -> bool:
         if work.high[l] >= promote_steps and _promoted(work, l) != work.tiers[l]:
             due.append(l)
     acted = _promote(work, window, due)
+    if cfg.demotion is Demotion.RISK:
+        acted |= _demote_quiet(work, risk, due)
+    if window.headroom is not None and window.headroom < 0:
+        acted |= _over_budget(work, risk)
+    return acted
+
+
+def _demote_quiet(work: _Work, risk: Sequence[float], due: Sequence[int]) -> bool:
+    """``demotion="risk"``: a promoted layer quiet for ``demote_steps * 2**demotions`` steps goes back one tier."""
+    acted = False
     for l, r in enumerate(risk):
         heads, floor = work.tiers[l], work.state.floor[l]
-        if (l not in due and work.low[l] >= cfg.demote_steps * 2 ** work.demotions[l]
+        if (l not in due and work.low[l] >= work.config.demote_steps * 2 ** work.demotions[l]
                 and any(p.bits > f.bits for p, f in zip(heads, floor))):
             # Each demotion of a layer doubles the wait before its next one: its risk is low partly because it
             # was promoted, and a layer that keeps coming back must not flap.
@@ -380,8 +392,6 @@ def _dynamic_precision(work: _Work, window: Window, promote_steps: int) -> bool:
             work.decisions.append(Decision(Action.PRECISION_DOWN, Alarm.RISK, (l,), work.level,
                                            precision=work.tiers[l], risk=float(r)))
             acted = True
-    if window.headroom is not None and window.headroom < 0:
-        acted |= _over_budget(work, risk)
     return acted
 
 
