@@ -77,8 +77,8 @@ class Demotion(str, Enum):
     ``budget``: only when the hot cache runs out of its memory budget (the least risky promoted layer first).
     ``risk``: also after ``demote_steps`` quiet steps at or below ``demote_risk``. The classifier reads the
     layer's K/V error at the tier it is stored at now, so a promotion lowers the very risk this rule watches:
-    measured on calibration dialog over SmolLM2's aggressive plan, demoting on low risk gave back 4 points of
-    the KL gap the loop had recovered."""
+    measured on calibration dialog over SmolLM2's aggressive plan, demoting on low risk gave back 2-4 points of
+    the KL gap the loop had recovered (benchmarks/README.md, "Promotions that stay")."""
 
     BUDGET = "budget"
     RISK = "risk"
