@@ -1,5 +1,7 @@
 """The policy as a pure state machine: hand-made windows in, decisions out; no model anywhere."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvguard.config import Demotion, MonitorConfig
@@ -153,6 +155,22 @@ def test_promotions_wait_for_headroom_and_over_budget_the_least_risky_promoted_l
     assert _actions(step) == [(Action.PRECISION_DOWN, Alarm.BUDGET, (0,))]
     assert step.state.tiers == step.state.floor
     assert decide(cfg, step.state, over).decisions == ()  # nothing left to demote
+
+
+def test_over_budget_during_the_rollback_ladder_keeps_promotions_that_would_free_nothing():
+    cfg = MonitorConfig(promote_steps=1)
+    promoted = decide(cfg, _state(), Window((0.0,) * 3, (0,) * 3, (True,) * 3, (0.95, 0.95, 0.1), headroom=0.05))
+    assert promoted.state.tiers[:2] == ((INT8, INT8), (INT4, INT8))
+    # A severe drop lifts every layer to INT8 for new tokens: a step-down below INT8 would change nothing stored.
+    severe = decide(cfg, promoted.state, Window((0.0, 0.0, 0.5), (0,) * 3, (True,) * 3, (0.1,) * 3, headroom=-0.01))
+    assert severe.state.level == 1
+    assert not any(d.action is Action.PRECISION_DOWN for d in severe.decisions)
+    assert severe.state.tiers == promoted.state.tiers
+    # Promoted to FP16 (two tiers over an INT4 plan), a step-down to INT8 does free bytes at level 1.
+    plan = PolicyState.initial(((INT4, INT4),) * 3)
+    fp16 = replace(plan, tiers=((FP16, FP16),) + plan.floor[1:], level=1)
+    down = decide(cfg, fp16, Window((0.0,) * 3, (0,) * 3, (True,) * 3, (0.1,) * 3, headroom=-0.01))
+    assert _actions(down) == [(Action.PRECISION_DOWN, Alarm.BUDGET, (0,))] and down.state.tiers[0] == (INT8, INT8)
 
 
 def test_priced_promotions_go_riskiest_first_as_far_as_the_room_goes_and_the_rest_wait():

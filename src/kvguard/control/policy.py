@@ -27,7 +27,8 @@ The rules (defaults from :class:`~kvguard.config.MonitorConfig`):
   looks safe because it was promoted.
 - **memory budget**: promotions go riskiest first, each priced by its extra bits (``Window.bit_cost``), as far
   as the hot cache's room under ``min_saving_kept`` of the plan's saving goes (``Window.headroom``); the rest
-  wait. Past the budget, the promoted layer at the lowest risk is demoted one tier a step.
+  wait. Past the budget, the promoted layer at the lowest risk is demoted one tier a step (where that changes
+  what new tokens are stored in: not below INT8 while the rollback ladder lifts them there).
 - **trigger rate**: more than ``max_trigger_rate`` of the last ``trigger_rate_steps`` steps acting (once at
   least 32 were seen) recommends recalibration, once.
 """
@@ -213,16 +214,20 @@ class PolicyState:
 
     def effective(self, layer: int) -> tuple[Precision, ...]:
         """The tiers ``layer`` stores new tokens in: level 1 and 2 lift every head to INT8 at least, level 3 is FP16."""
-        heads = self.tiers[layer]
-        if self.level >= MAX_LEVEL:
-            return (Precision.FP16,) * len(heads)
-        if self.level >= 1:
-            return tuple(p if p.bits >= 8 else Precision.INT8 for p in heads)
-        return heads
+        return _lifted(self.tiers[layer], self.level)
 
     @property
     def trigger_rate(self) -> float:
         return sum(self.recent) / len(self.recent) if self.recent else 0.0
+
+
+def _lifted(heads: tuple[Precision, ...], level: int) -> tuple[Precision, ...]:
+    """The tiers new tokens are stored in at rollback ``level``."""
+    if level >= MAX_LEVEL:
+        return (Precision.FP16,) * len(heads)
+    if level >= 1:
+        return tuple(p if p.bits >= 8 else Precision.INT8 for p in heads)
+    return heads
 
 
 @dataclass(frozen=True)
@@ -430,13 +435,20 @@ def _promote(work: _Work, window: Window, due: Sequence[int]) -> bool:
 
 def _over_budget(work: _Work, risk: Sequence[float]) -> bool:
     """Over the memory budget: the promoted layer at the lowest risk goes back one tier for new tokens (one a
-    step, so the cache's growth slows down before it stops)."""
+    step, so the cache's growth slows down before it stops).
+
+    Only a step-down that changes what new tokens are stored in counts: while the rollback ladder lifts every
+    layer to INT8, taking back a promotion below INT8 frees nothing, and the layer would have to earn it again
+    once the ladder steps down."""
+    def lowered(l: int) -> tuple[Precision, ...]:
+        return tuple(_down(p) if p.bits > f.bits else p for p, f in zip(work.tiers[l], work.state.floor[l]))
+
     promoted = [l for l in range(work.state.num_layers)
-                if any(p.bits > f.bits for p, f in zip(work.tiers[l], work.state.floor[l]))]
+                if _lifted(lowered(l), work.level) != _lifted(work.tiers[l], work.level)]
     if not promoted:
         return False
     l = min(promoted, key=lambda i: (risk[i], i))
-    work.tiers[l] = tuple(_down(p) if p.bits > f.bits else p for p, f in zip(work.tiers[l], work.state.floor[l]))
+    work.tiers[l] = lowered(l)
     work.low[l] = 0
     work.decisions.append(Decision(Action.PRECISION_DOWN, Alarm.BUDGET, (l,), work.level, precision=work.tiers[l],
                                    risk=float(risk[l])))
