@@ -23,26 +23,27 @@ def test_switch_points_follow_the_window():
     assert switch.tolist() == [15, 15, 9, 9, 9, 12, 12, 12, 15, 15, 15, 15, 15, 15, 15]
 
 
-def _mixed_plan(arch: Architecture, cfg: CacheConfig, low: str) -> Plan:
-    """Every tier from ``low`` up, clipped keys; with ``low`` INT3 also rotated keys / values on some layers."""
-    cycle = [low, "int4", "int8", "fp16"]
-    rotate = low == "int3"
+def _mixed_plan(arch: Architecture, cfg: CacheConfig, tiers: tuple[str, ...], rotate: bool) -> Plan:
+    """The ``tiers`` cycled over layers and heads, clipped keys; ``rotate``: rotated keys / values on some layers."""
     layers = tuple(
-        LayerPlan(tuple(cycle[(i + h) % 4] for h in range(arch.num_kv_heads)), key_clip=0.95 if i % 3 == 0 else 1.0,
-                  key_rotation=rotate and i % 2 == 1, value_rotation=rotate and i % 3 == 1)
+        LayerPlan(tuple(tiers[(i + h) % len(tiers)] for h in range(arch.num_kv_heads)),
+                  key_clip=0.95 if i % 3 == 0 else 1.0, key_rotation=rotate and i % 2 == 1,
+                  value_rotation=rotate and i % 3 == 1)
         for i in range(arch.num_layers)
     )
     return Plan(layers, cfg)
 
 
-@pytest.mark.parametrize("model_name, tokens, low", [("smollm2", 300, "int2"), ("smollm2", 300, "int3"),
-                                                     ("gemma3_6_layers", 300, "int2")])
-def test_simulation_matches_chunk1_streaming(model_name, tokens, low, request):
+@pytest.mark.parametrize("model_name, tiers, rotate", [
+    ("smollm2", ("int2", "int3", "int4", "int8", "fp16"), True),  # every tier, rotated and not, in one stream
+    ("gemma3_6_layers", ("int2", "int4", "int8", "fp16"), False)], ids=["smollm2-every-tier", "gemma3_6_layers"])
+def test_simulation_matches_chunk1_streaming(model_name, tiers, rotate, request):
     model, tok = request.getfixturevalue(model_name)
     arch = Architecture.from_config(model.config)
+    tokens = 300
     # A small window and group so most tokens switch from full precision to quantized during the stream;
     # Gemma 3 (6 layers, a 128-token window) runs past its sliding window.
-    plan = _mixed_plan(arch, CacheConfig(residual=16, sinks=4, group_size=16), low)
+    plan = _mixed_plan(arch, CacheConfig(residual=16, sinks=4, group_size=16), tiers, rotate)
     ids = data.token_stream("prose", "eval", tok, tokens)
     streamed = score_stream(model, ids, plan.make_cache(model.config), chunk=1, keep_logits=True)
     simulated = score_simulated(model, ids, plan, keep_logits=True)
