@@ -14,7 +14,6 @@ from kvguard.control.recompute import restore_then_recompute
 from kvguard.control.session import LiveSession
 from kvguard.entropy import EntropyBaseline
 from kvguard.plan import Plan
-from kvguard.precision import Precision
 from tests.helpers import tiny_llama
 
 SMALL = CacheConfig(residual=4, sinks=1, group_size=4)
@@ -284,26 +283,6 @@ def test_reencoded_history_equals_a_layer_that_stored_the_promoted_tiers_from_th
     got, want = promoted.materialize(torch.float32), direct.materialize(torch.float32)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(promoted.error_evidence(), direct.error_evidence())
-
-
-def test_history_can_be_reencoded_at_other_tiers_than_new_tokens_get():
-    """During the rollback ladder new tokens go to INT8 while a promotion stores the history at its own tiers:
-    the result reads back as a layer that stored those tiers, then INT8."""
-    keys, values = _kv(dim=16, tokens=44)
-    promoted = KVGuardLayer(("int2", "int2"), SMALL, 0, BackingStore(ON))
-    direct = KVGuardLayer(("int4", "int2"), SMALL, 0)
-    for layer in (promoted, direct):
-        _stream(layer, keys[..., :30, :], values[..., :30, :])
-        layer.set_precision("int8")
-    assert promoted.reencode(precision=("int4", "int2")) == 24
-    assert promoted.head_precisions == (Precision.INT8, Precision.INT8)  # new tokens keep theirs
-    assert promoted.nbytes() == direct.nbytes()
-    for layer in (promoted, direct):
-        _stream(layer, keys[..., 30:, :], values[..., 30:, :])
-    got, want = promoted.materialize(torch.float32), direct.materialize(torch.float32)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    with pytest.raises(ValueError, match="2 KV heads but 3"):
-        promoted.reencode(precision=("int4",) * 3)
 
 
 def test_reencoding_at_the_same_tiers_changes_nothing_and_the_overlay_still_wins():

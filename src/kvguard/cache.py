@@ -83,12 +83,11 @@ class KVGuardCache(Cache):
         positions restored (the rest are missing from the backing: evicted, not quantized, or none kept)."""
         return self._layer(layer).restore(positions)
 
-    def reencode(self, layer: int, max_extra_bytes: int | None = None, precision=None) -> int:
-        """Store ``layer``'s history again at the tiers it stores new tokens in (or at ``precision``: one, or one
-        per KV head), from the originals the backing holds (:meth:`KVGuardLayer.reencode
-        <kvguard.cache_layer.KVGuardLayer.reencode>`); returns the positions re-encoded (0: none held, or more
-        than ``max_extra_bytes`` bytes it would add)."""
-        return self._layer(layer).reencode(max_extra_bytes, precision)
+    def reencode(self, layer: int, max_extra_bytes: int | None = None) -> int:
+        """Store ``layer``'s history again at the tiers it stores new tokens in, from the originals the backing
+        holds (:meth:`KVGuardLayer.reencode <kvguard.cache_layer.KVGuardLayer.reencode>`); returns the positions
+        re-encoded (0: none held, or more than ``max_extra_bytes`` bytes it would add)."""
+        return self._layer(layer).reencode(max_extra_bytes)
 
     def backing_bytes(self, layer: int | None = None) -> int:
         """Bytes of the backing tier (the originals of quantized tokens), for one layer or the whole cache;

@@ -215,11 +215,11 @@ class KVGuardLayer(CacheLayerMixin):
         self.key_absmax, self.value_absmax = key_absmax, value_absmax
 
     # ------------------------------------------------------------------ layout
-    def _layout(self, precisions: Sequence[Precision] | None = None) -> tuple[_PartLayout, ...]:
-        """How tokens quantized now are stored (or in ``precisions``, one per head): heads grouped by precision."""
+    def _layout(self) -> tuple[_PartLayout, ...]:
+        """How tokens quantized now are stored: heads grouped by precision."""
         g = self.config.group_size
         groups: dict[Precision, list[int]] = {}
-        for h, p in enumerate(self.head_precisions if precisions is None else precisions):
+        for h, p in enumerate(self.head_precisions):
             groups.setdefault(p, []).append(h)
         layout = []
         for precision, heads in groups.items():
@@ -542,12 +542,10 @@ class KVGuardLayer(CacheLayerMixin):
         gaps = (held != torch.arange(end - n, end)).nonzero()  # positions before the last gap are not contiguous
         return (end - n if gaps.numel() == 0 else int(held[int(gaps[-1]) + 1])), end
 
-    def reencode(self, max_extra_bytes: int | None = None,
-                 precision: "Precision | str | Sequence[Precision | str] | None" = None) -> int:
+    def reencode(self, max_extra_bytes: int | None = None) -> int:
         """Store the backed stretch of history (:meth:`reencodable`) again, from its originals, in the layout new
-        tokens get now (after ``set_precision`` promoted the layer, say), or in ``precision`` (one, or one per KV
-        head). Returns the positions re-encoded: 0 when nothing is held, or when it would add more than
-        ``max_extra_bytes`` bytes (then nothing changes).
+        tokens get now (after ``set_precision`` promoted the layer, say). Returns the positions re-encoded: 0
+        when nothing is held, or when it would add more than ``max_extra_bytes`` bytes (then nothing changes).
 
         This is the one place a token is quantized a second time, and it is quantized from its original, never
         from its codes, so no error compounds; heads whose layout did not change get the same codes again (the
@@ -555,13 +553,8 @@ class KVGuardLayer(CacheLayerMixin):
         first, end = self.reencodable()
         if first == end:
             return 0
-        layout = self._layout()
-        if precision is not None:
-            parsed = self._parse_precision(precision)
-            self._check_heads(parsed)
-            layout = self._layout(parsed if isinstance(parsed, tuple) else (parsed,) * len(self.head_precisions))
         originals = self.backing.restore(self.layer_idx, torch.arange(first, end), self.device)
-        run = self._new_run(layout)
+        run = self._new_run(self._layout())
         self._encode_into(run, originals.keys, originals.values, first, track=False)
         extra = run_nbytes(run) - self._history_nbytes_from(first)
         if max_extra_bytes is not None and extra > max_extra_bytes:

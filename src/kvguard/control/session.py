@@ -238,13 +238,10 @@ class LiveSession:
         (``None``: no backing tier, or re-encoding is off)."""
         if self.cache.backing is None or not self.config.reencode_history:
             return None
-        self._apply_precisions()  # new tokens go to the promoted tiers from now on
+        self._apply_precisions()  # the promoted tiers, before the history is stored in them
         reencoded = 0
         for l in layers:
-            # At the promoted tiers, not the rollback ladder's INT8 lift: the ladder is for new tokens during a
-            # severe episode and steps down, while a history stored at INT8 would hold its bytes for good and
-            # crowd other promotions out of the budget (the policy priced this one at its tiers).
-            n = self.cache.reencode(l, self._byte_room(), self.state.tiers[l])
+            n = self.cache.reencode(l, self._byte_room())
             reencoded += n
             self.counters.reencoded_positions += n
         return reencoded
