@@ -85,8 +85,8 @@ def test_decoding_through_the_cache_applies_the_correction_the_simulation_measur
     a, b = score_logits(ids, [streamed]), score_logits(ids, [simulated])
     assert abs(math.exp(a.nll - b.nll) - 1) < 2e-3
     assert (streamed.argmax(-1) == simulated.argmax(-1)).float().mean() > 0.98
-    # And it does something: the corrected read is not the plain one, in the cache and in the simulation (64
-    # tokens of the plain decode show it: quantized groups are read from the 33rd token on).
+    # And it does something: the corrected read is not the plain one, in the cache and in the simulation (the
+    # plain decode's first 64 tokens show it: they already read quantized groups).
     assert not torch.allclose(streamed[:64], decoded(plain, 65), atol=1e-3)
     assert not torch.allclose(simulated, simulate_logits(model, ids[:-1], plain), atol=1e-3)
 

@@ -358,6 +358,11 @@ def _down(p: Precision) -> Precision:
     return next((t for t in reversed(_LADDER) if t.bits < p.bits), p)
 
 
+def _stepped_down(heads: Sequence[Precision], floor: Sequence[Precision]) -> tuple[Precision, ...]:
+    """``heads`` one tier down where they are above the plan's ``floor``."""
+    return tuple(_down(p) if p.bits > f.bits else p for p, f in zip(heads, floor))
+
+
 def _raise(precision: Precision, tiers: int) -> Precision:
     for _ in range(tiers):
         precision = _up(precision)
@@ -391,7 +396,7 @@ def _demote_quiet(work: _Work, risk: Sequence[float], due: Sequence[int]) -> boo
                 and any(p.bits > f.bits for p, f in zip(heads, floor))):
             # Each demotion of a layer doubles the wait before its next one: its risk is low partly because it
             # was promoted, and a layer that keeps coming back must not flap.
-            work.tiers[l] = tuple(_down(p) if p.bits > f.bits else p for p, f in zip(heads, floor))
+            work.tiers[l] = _stepped_down(heads, floor)
             work.low[l] = 0
             work.demotions[l] += 1
             work.decisions.append(Decision(Action.PRECISION_DOWN, Alarm.RISK, (l,), work.level,
@@ -440,15 +445,13 @@ def _over_budget(work: _Work, risk: Sequence[float]) -> bool:
     Only a step-down that changes what new tokens are stored in counts: while the rollback ladder lifts every
     layer to INT8, taking back a promotion below INT8 frees nothing, and the layer would have to earn it again
     once the ladder steps down."""
-    def lowered(l: int) -> tuple[Precision, ...]:
-        return tuple(_down(p) if p.bits > f.bits else p for p, f in zip(work.tiers[l], work.state.floor[l]))
-
-    promoted = [l for l in range(work.state.num_layers)
-                if _lifted(lowered(l), work.level) != _lifted(work.tiers[l], work.level)]
+    lowered = [_stepped_down(heads, floor) for heads, floor in zip(work.tiers, work.state.floor)]
+    promoted = [l for l, (down, heads) in enumerate(zip(lowered, work.tiers))
+                if _lifted(down, work.level) != _lifted(heads, work.level)]
     if not promoted:
         return False
     l = min(promoted, key=lambda i: (risk[i], i))
-    work.tiers[l] = lowered(l)
+    work.tiers[l] = lowered[l]
     work.low[l] = 0
     work.decisions.append(Decision(Action.PRECISION_DOWN, Alarm.BUDGET, (l,), work.level, precision=work.tiers[l],
                                    risk=float(risk[l])))
