@@ -12,7 +12,8 @@ from kvguard.architecture import Architecture
 from kvguard.plan import LayerPlan, Plan, StaticScales
 from kvguard.evaluation.scoring import score_simulated, score_stream
 from kvguard.entropy import EntropyAccumulator
-from kvguard.calibration.kv_statistics import BatchStatistics, KVStatistics, batches_by_length, collect, entropy_rows, merge
+from kvguard.calibration.kv_statistics import (BatchStatistics, KVStatistics, batches_by_length, collect, collect_batch,
+                                              entropy_rows, merge)
 
 
 def _history(means, stds, maxs):
@@ -99,6 +100,15 @@ def test_recorded_statistics_are_the_models_keys_and_values(smollm2):
         recorder.end_batch(ids.numel())  # raises unless the hook saw every layer
     assert torch.allclose(observed, plain, atol=1e-4)
     assert torch.equal(recorder.statistics().history["key.max"], stats.history["key.max"])
+    # A batch run one row per pass has the statistics of the batch in one pass (each row's keys and values
+    # do not depend on the other rows).
+    one_pass, by_row = collect_batch(model, ids, rows_per_pass=len(ids)), collect_batch(model, ids, rows_per_pass=1)
+    for name, history in one_pass.statistics.history.items():
+        assert torch.allclose(by_row.statistics.history[name], history, rtol=1e-6, atol=1e-7), name
+    assert torch.allclose(by_row.entropy.sum, one_pass.entropy.sum, rtol=1e-6)
+    assert torch.equal(by_row.entropy.count, one_pass.entropy.count)
+    with pytest.raises(ValueError, match="rows_per_pass"):
+        collect_batch(model, ids, rows_per_pass=0)
 
 
 @pytest.mark.slow

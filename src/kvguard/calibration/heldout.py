@@ -16,6 +16,7 @@ import torch
 
 from kvguard.architecture import Architecture
 from kvguard.calibration import prefix
+from kvguard.calibration.logit_buffer import LogitBuffer
 from kvguard.evaluation.metrics import TokenMetrics
 from kvguard.evaluation.scoring import score_simulated
 from kvguard.plan import Plan, StaticScales
@@ -34,23 +35,26 @@ class Reference:
         logprobs: ``[T - 1, vocab]`` next-token log-probabilities (float32: ``T * vocab * 4`` bytes).
         nll: mean next-token NLL.
         token_nll: ``[T - 1]`` NLL of each actual next token.
+        top1: ``[T - 1]`` arg-max of each prediction (kept: every scored pass compares with it).
     """
 
     logprobs: dict[str, torch.Tensor]
     nll: dict[str, float]
     token_nll: dict[str, torch.Tensor]
+    top1: dict[str, torch.Tensor]
 
     @classmethod
     def measure(cls, model, streams: dict[str, torch.Tensor]) -> "Reference":
         fp16 = Plan.uniform(Architecture.from_config(model.config), "fp16")
-        logprobs, nll, token_nll = {}, {}, {}
+        logprobs, nll, token_nll, top1 = {}, {}, {}, {}
         for domain, ids in streams.items():
             score = score_simulated(model, ids, fp16, keep_logits=True)
             logprobs[domain] = torch.log_softmax(score.logits, dim=-1)
             nll[domain] = score.nll
             targets = ids[1:].to(score.logits.device)
             token_nll[domain] = -logprobs[domain].gather(-1, targets[:, None])[:, 0]
-        return cls(logprobs, nll, token_nll)
+            top1[domain] = logprobs[domain].argmax(-1)
+        return cls(logprobs, nll, token_nll, top1)
 
 
 class HeldOut:
@@ -73,6 +77,7 @@ class HeldOut:
         self.reference_token_nll = self.reference.token_nll
         # Per anchor plan (see :meth:`score`), per domain: each decoder layer's input in a pass under it.
         self._recorded: dict[Plan, dict[str, list[torch.Tensor]]] = {}
+        self._logits = LogitBuffer()  # one buffer for every pass's logits (see kvguard.calibration.logit_buffer)
 
     @property
     def tokens(self) -> int:
@@ -111,13 +116,17 @@ class HeldOut:
         for domain, ids in self.streams.items():
             n = ids.numel() - 1
             start = min(first_quantized_query(plan), n - 1)
-            ref = self.references[domain][start:]
+            ref, ref_top1 = self.references[domain][start:], self.reference.top1[domain][start:]
             metrics = TokenMetrics()
-            with prefix.resumed(self.model, layer, recorded[domain][layer]) if recorded else contextlib.nullcontext():
-                logits = simulate_logits(self.model, ids[:-1], plan, scales, keep_from=start)
-            for i in range(0, logits.shape[0], _SLICE):
-                metrics.add(logits[i:i + _SLICE], ids[start + 1 + i:start + 1 + i + _SLICE].to(logits.device),
-                            ref[i:i + _SLICE])
+            resume = (prefix.resumed(self.model, layer, recorded[domain][layer]) if recorded
+                      else contextlib.nullcontext())
+            # The logits alias one buffer kept across passes: they become metrics before the next pass.
+            with self._logits.installed(self.model):
+                with resume:
+                    logits = simulate_logits(self.model, ids[:-1], plan, scales, keep_from=start)  # [n - start, vocab]
+                for i in range(0, logits.shape[0], _SLICE):
+                    metrics.add(logits[i:i + _SLICE], ids[start + 1 + i:start + 1 + i + _SLICE].to(logits.device),
+                                ref[i:i + _SLICE], ref_top1[i:i + _SLICE])
             tail = n - start
             kl += metrics.kl * tail  # the first `start` predictions contribute KL 0 and agree
             agree += metrics.top1_agree * tail + start

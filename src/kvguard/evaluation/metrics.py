@@ -32,23 +32,31 @@ class TokenMetrics:
         self._agree = 0
         self._compared = 0
 
-    def add(self, logits: torch.Tensor, targets: torch.Tensor, reference_logprobs: torch.Tensor | None = None) -> None:
-        """``logits`` ``[N, V]`` predicting ``targets`` ``[N]``; ``reference_logprobs`` ``[N, V]`` (log-softmax)."""
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, reference_logprobs: torch.Tensor | None = None,
+            reference_top1: torch.Tensor | None = None) -> None:
+        """``logits`` ``[N, V]`` predicting ``targets`` ``[N]``; ``reference_logprobs`` ``[N, V]`` (log-softmax);
+        ``reference_top1`` ``[N]``: its arg-max, when the caller keeps it across passes (the same number, computed
+        once instead of once per pass)."""
         if logits.shape[0] != targets.shape[0]:
             raise ValueError(f"{logits.shape[0]} predictions for {targets.shape[0]} targets")
         if reference_logprobs is not None and reference_logprobs.shape != logits.shape:
             raise ValueError(f"reference shape {tuple(reference_logprobs.shape)} != logits shape {tuple(logits.shape)}")
+        if reference_top1 is not None and reference_top1.shape != targets.shape:
+            raise ValueError(f"reference top-1 shape {tuple(reference_top1.shape)} != targets shape {tuple(targets.shape)}")
         for i in range(0, logits.shape[0], _ROWS):
             ref = None if reference_logprobs is None else reference_logprobs[i:i + _ROWS].float()
-            self._add_rows(logits[i:i + _ROWS].float(), targets[i:i + _ROWS], ref)
+            top1 = None if reference_top1 is None else reference_top1[i:i + _ROWS]
+            self._add_rows(logits[i:i + _ROWS].float(), targets[i:i + _ROWS], ref, top1)
 
-    def _add_rows(self, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None) -> None:
+    def _add_rows(self, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None,
+                  top1: torch.Tensor | None) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)  # [n, V], a new tensor: the in-place steps below may reuse it
         self._nll += -logprobs.gather(-1, targets.reshape(-1, 1)).double().sum().item()
         self.count += targets.numel()
         if ref is None:
             return
-        self._agree += int((ref.argmax(-1) == logprobs.argmax(-1)).sum())
+        top1 = ref.argmax(-1) if top1 is None else top1
+        self._agree += int((top1 == logprobs.argmax(-1)).sum())
         diff = logprobs.neg_().add_(ref)  # ref - logprobs, in place (the same rounding as a subtraction)
         self._kl += diff.mul_(ref.exp()).sum(-1).double().sum().item()
         self._compared += targets.numel()
