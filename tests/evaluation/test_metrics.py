@@ -40,6 +40,16 @@ def test_many_rows_match_the_direct_formulas_and_leave_the_inputs_untouched():
     assert m.kl == pytest.approx(float((ref.double().exp() * (ref.double() - logprobs)).sum(-1).mean()), rel=1e-5)
     assert m.top1_agree == float((ref.argmax(-1) == logits.argmax(-1)).double().mean())
     assert torch.equal(logits, logits_before) and torch.equal(ref, ref_before)
+    # A kept reference arg-max gives the same sums as computing it per pass, in the same steps.
+    kept = TokenMetrics()
+    kept.add(logits, targets, ref, ref.argmax(-1))
+    assert (kept.nll, kept.kl, kept.top1_agree) == (m.nll, m.kl, m.top1_agree)
+    shifted = TokenMetrics()  # the arg-max given is the one compared with (not recomputed)
+    shifted.add(logits, targets, ref, (ref.argmax(-1) + 1) % 50)
+    assert shifted.top1_agree == float(((ref.argmax(-1) + 1) % 50 == logits.argmax(-1)).double().mean())
+    assert shifted.top1_agree != m.top1_agree
+    with pytest.raises(ValueError, match="top-1"):
+        kept.add(logits, targets, ref, ref.argmax(-1)[:-1])
 
 
 def test_metrics_without_reference_and_shape_errors():
