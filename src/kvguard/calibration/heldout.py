@@ -113,24 +113,22 @@ class HeldOut:
         kl = agree = weight = 0.0
         increase = {}
         layer, recorded = self._resume_point(plan, scales, anchors)
-        for domain, ids in self.streams.items():
-            n = ids.numel() - 1
-            start = min(first_quantized_query(plan), n - 1)
-            ref, ref_top1 = self.references[domain][start:], self.reference.top1[domain][start:]
-            metrics = TokenMetrics()
-            resume = (prefix.resumed(self.model, layer, recorded[domain][layer]) if recorded
-                      else contextlib.nullcontext())
-            # The logits alias one buffer kept across passes: they become metrics before the next pass.
-            with self._logits.installed(self.model):
-                with resume:
+        # The head writes every pass's logits into one kept buffer: each pass's become metrics before the next.
+        with self._logits.installed(self.model):
+            for domain, ids in self.streams.items():
+                n = ids.numel() - 1
+                start = min(first_quantized_query(plan), n - 1)
+                ref, ref_top1 = self.references[domain][start:], self.reference.top1[domain][start:]
+                metrics = TokenMetrics()
+                with prefix.resumed(self.model, layer, recorded[domain][layer]) if recorded else contextlib.nullcontext():
                     logits = simulate_logits(self.model, ids[:-1], plan, scales, keep_from=start)  # [n - start, vocab]
                 for i in range(0, logits.shape[0], _SLICE):
                     metrics.add(logits[i:i + _SLICE], ids[start + 1 + i:start + 1 + i + _SLICE].to(logits.device),
                                 ref[i:i + _SLICE], ref_top1[i:i + _SLICE])
-            tail = n - start
-            kl += metrics.kl * tail  # the first `start` predictions contribute KL 0 and agree
-            agree += metrics.top1_agree * tail + start
-            weight += n
-            nll = (float(self.reference_token_nll[domain][:start].sum()) + metrics.nll * tail) / n
-            increase[domain] = 100.0 * (math.exp(nll - self.reference_nll[domain]) - 1.0)
+                tail = n - start
+                kl += metrics.kl * tail  # the first `start` predictions contribute KL 0 and agree
+                agree += metrics.top1_agree * tail + start
+                weight += n
+                nll = (float(self.reference_token_nll[domain][:start].sum()) + metrics.nll * tail) / n
+                increase[domain] = 100.0 * (math.exp(nll - self.reference_nll[domain]) - 1.0)
         return PlanScore(kl / weight, increase, agree / weight)
