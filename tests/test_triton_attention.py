@@ -1,4 +1,5 @@
-"""The Triton decode kernel in Triton's interpreter, on CPU, against the layer's ``materialize()`` + plain softmax.
+"""The Triton decode kernel against the layer's ``materialize()`` + plain softmax: in Triton's interpreter on CPU
+(here and in CI), or compiled on a CUDA GPU when ``TRITON_INTERPRET=0`` and torch sees one (`benchmarks/gpu_checks.sh`).
 
 The kernel's reading of the codes is compared bit for bit; the attention to float32 summation order (tiled dot
 products, online softmax, log-sum-exp merges; rotated heads also round differently, the query being rotated
@@ -18,8 +19,10 @@ pytest.importorskip("triton", reason="triton is not installed (`make install` in
 
 from kvguard import triton_attention as ta  # noqa: E402
 
-if not ta.INTERPRETED:  # tests/conftest.py sets TRITON_INTERPRET=1 unless the environment says otherwise
-    pytest.skip("TRITON_INTERPRET is off: these CPU tests need Triton's interpreter", allow_module_level=True)
+if not ta.INTERPRETED and not torch.cuda.is_available():  # conftest.py sets TRITON_INTERPRET=1 unless told otherwise
+    pytest.skip("TRITON_INTERPRET is off and there is no CUDA GPU: the kernel can run nowhere", allow_module_level=True)
+# Interpreted on CPU; compiled on the GPU otherwise. The random tensors are drawn on CPU either way (same values).
+DEVICE = torch.device("cpu") if ta.INTERPRETED else torch.device("cuda")
 
 from kvguard.attention import expand_kv  # noqa: E402
 from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer  # noqa: E402
@@ -31,9 +34,10 @@ CFG = CacheConfig(residual=8, sinks=2, group_size=8, fp_dtype="float32")
 TOL = 5e-6
 
 
-def kv(n: int, seed: int, batch: int = B) -> tuple[torch.Tensor, torch.Tensor]:
+def kv(n: int, seed: int, batch: int = B, device: torch.device = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, H, n, D, generator=gen), torch.randn(batch, H, n, D, generator=gen)
+    keys, values = torch.randn(batch, H, n, D, generator=gen), torch.randn(batch, H, n, D, generator=gen)
+    return keys.to(device), values.to(device)
 
 
 def filled(layer: KVGuardLayer, n: int, seed: int = 0, chunk: int = 16, batch: int = B):
@@ -45,7 +49,7 @@ def filled(layer: KVGuardLayer, n: int, seed: int = 0, chunk: int = 16, batch: i
 
 
 def query(t_q: int = 1, seed: int = 7, batch: int = B) -> torch.Tensor:
-    return torch.randn(batch, H * REP, t_q, D, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(batch, H * REP, t_q, D, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def reference(layer, q, keys=None, values=None, mask=None, scaling=None, softcap=None, past=None):
@@ -68,8 +72,9 @@ def run_kernel(layer, q, *, keys=None, values=None, mask=None, **kw):
 
 def assert_close_and_quantized(out, expected, layer, q, originals, new=(None, None), mask=None, **kw):
     """``out`` matches the reference, and is far from attention over the original K/V (the codes are read)."""
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert (out - expected).abs().max() < TOL
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    diff = (out - expected).abs().max().item()
+    assert diff < TOL, f"largest difference from the reference {diff:.2e}"
     past = tuple(x[..., layer.offset:, :] for x in originals)
     exact = reference(layer, q, *new, mask, kw.get("scaling"), kw.get("softcap"), past=past)
     assert (out - exact).abs().max() > 100 * TOL
@@ -78,7 +83,7 @@ def assert_close_and_quantized(out, expected, layer, q, originals, new=(None, No
 # ------------------------------------------------------------------------------------------------ the codes
 @pytest.mark.parametrize("precision", ["int8", "int4", "int3", "int2"])
 def test_kernel_reads_the_codes_bit_for_bit(precision):
-    x = torch.randn(1, H, 48, D, generator=torch.Generator().manual_seed(1)) * 3  # batch 1: the interpreter is slow
+    x = torch.randn(1, H, 48, D, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 3  # batch 1: interpreter
     tensors = [quantize(x, QuantSpec(precision, Axis.CHANNEL, 8)), quantize(x, QuantSpec(precision, Axis.TOKEN, 8))]
     if precision == "int8":  # calibrated scales: one per head and channel, shared by every token
         absmax = x.abs().amax((0, 2), keepdim=True) * 0.8
@@ -103,7 +108,7 @@ def test_matches_materialize_per_precision(precision, rotated):
     q = query(batch=1)
     out, expected = run_kernel(layer, q, split_tokens=64)  # 2 splits of the 80-token run
     if precision == "fp16":
-        assert (out - expected).abs().max() < TOL
+        assert (out - expected).abs().max().item() < TOL
         return
     assert_close_and_quantized(out, expected, layer, q, originals)
 
@@ -120,14 +125,14 @@ def test_several_runs_rotation_overlay_and_new_tokens_with_a_causal_mask():
     layer.update(keys[..., 130:, :], values[..., 130:, :])
     assert len(layer._runs) == 3
     # Full-precision K/V at quantized positions of every run, and at a sink and a window position.
-    pos = torch.tensor([1, 10, 11, 75, 150, 190, 197])
+    pos = torch.tensor([1, 10, 11, 75, 150, 190, 197], device=DEVICE)
     fresh_k, fresh_v = kv(len(pos), 4)
     layer.write_fp(pos, fresh_k, fresh_v)
     assert layer.overlay_positions().tolist() == [10, 11, 75, 150]  # 1 is a sink, 190 and 197 in the window
     t_q, stored = 9, layer.stored_tokens  # 2 x 9 query rows: the kernel's row block grows to 32
     new_k, new_v = kv(t_q, 5)
-    mask = torch.zeros(1, 1, t_q, stored + t_q)
-    mask[..., stored:] = torch.triu(torch.full((t_q, t_q), torch.finfo(torch.float32).min), diagonal=1)
+    mask = torch.zeros(1, 1, t_q, stored + t_q, device=DEVICE)
+    mask[..., stored:] = torch.triu(torch.full((t_q, t_q), torch.finfo(torch.float32).min, device=DEVICE), diagonal=1)
     q = query(t_q)
     out, expected = run_kernel(layer, q, keys=new_k, values=new_v, mask=mask)  # one split: tiles of 64 in a loop
     originals = (keys.index_copy(2, pos, fresh_k), values.index_copy(2, pos, fresh_v))
@@ -138,7 +143,7 @@ def test_padded_batch_masks_per_row_and_per_head():
     layer = KVGuardLayer(("int4", "int3", "int2"), CFG)
     originals = filled(layer, 100)
     stored, minimum = layer.stored_tokens, torch.finfo(torch.float32).min
-    mask = torch.zeros(B, H * REP, 1, stored)
+    mask = torch.zeros(B, H * REP, 1, stored, device=DEVICE)
     mask[1, :, :, :37] = minimum  # row 1 is left-padded: its sinks and part of the run are padding
     mask[0, 3, :, 50:70] = minimum  # any additive bias, per head
     q = query()
@@ -154,7 +159,7 @@ def test_sliding_layer_with_its_window_mask():
     originals = filled(layer, 150, chunk=7)
     kv_len, offset = layer.get_mask_sizes(1)
     assert offset > 0 and len(layer._runs) == 1  # whole groups dropped from the front
-    keys_at = torch.arange(offset, offset + kv_len)
+    keys_at = torch.arange(offset, offset + kv_len, device=DEVICE)
     mask = torch.where(layer.length - keys_at < window, 0.0, torch.finfo(torch.float32).min).view(1, 1, 1, -1)
     new_k, new_v = kv(1, 6)
     q = query()
@@ -174,17 +179,37 @@ def test_scaling_softcap_and_calibrated_int8_scales():
     assert (out - run_kernel(layer, q)[0]).abs().max() > 100 * TOL  # the scaling and the cap are applied
 
 
+# ------------------------------------------------------------------------------------------------ launches
+@pytest.mark.parametrize("launch", [
+    ta.Launch(block_n=64, num_warps=4, num_stages=None, programs_per_sm=2, dot_rows=0),  # tl.dot over 16 rows
+    ta.Launch(num_stages=2, dot_rows=64),  # broadcast products over 4 rows
+    ta.Launch(block_n=128, num_warps=4, programs_per_sm=16),
+])
+def test_every_launch_configuration_computes_the_same_attention(monkeypatch, launch):
+    monkeypatch.setattr(ta, "LAUNCH", launch)
+    layer = KVGuardLayer(("int4", "int3", "int2"), CFG)
+    layer.set_rotation(True, False)
+    originals = filled(layer, 200)
+    mask = torch.zeros(B, H * REP, 2, layer.stored_tokens, device=DEVICE)
+    mask[1, :, :, :37] = torch.finfo(torch.float32).min  # row 1 left-padded
+    q = query(2)  # 2 query tokens x 2 heads per KV head: 4 rows
+    out, expected = run_kernel(layer, q, mask=mask, scaling=0.2, softcap=2.0, split_tokens=64)
+    assert_close_and_quantized(out, expected, layer, q, originals, mask=mask, scaling=0.2, softcap=2.0)
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 def test_refuses_cpu_outside_the_interpreter_and_bad_shapes(monkeypatch):
     layer = KVGuardLayer("int4", CFG)
     filled(layer, 40)
     with pytest.raises(ValueError, match="multiple of the layer's KV heads"):
-        ta.decode_attention(layer, torch.zeros(B, 4, 1, D))
+        ta.decode_attention(layer, torch.zeros(B, 4, 1, D, device=DEVICE))
     with pytest.raises(ValueError, match="attention_mask must be"):
-        ta.decode_attention(layer, query(), attention_mask=torch.zeros(1, 1, 1, 5))
+        ta.decode_attention(layer, query(), attention_mask=torch.zeros(1, 1, 1, 5, device=DEVICE))
+    on_cpu = KVGuardLayer("int4", CFG)
+    on_cpu.update(*kv(40, 0, device=torch.device("cpu")))
     monkeypatch.setattr(ta, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        ta.decode_attention(layer, query())
+        ta.decode_attention(on_cpu, query().cpu())
 
 
 def test_without_triton_the_module_says_what_to_install_and_nothing_else_imports_it(monkeypatch):

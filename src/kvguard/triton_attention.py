@@ -65,15 +65,22 @@ def _dequantize_tile(codes, scale, zero, t, d, t_ok, c_st, c_sd, s_st, s_sd,
     if BITS == 8:
         q = tl.load(codes + t[:, None] * c_st + d[None, :] * c_sd, mask=ok, other=0).to(tl.float32)
     else:
-        bit = d * BITS  # the row is a little-endian bit stream: code d starts at bit d * BITS
-        byte = bit // 8
-        shift = bit % 8
+        # The row is a little-endian bit stream: code d starts at bit d * BITS.
         row = codes + t[:, None] * c_st
-        word = tl.load(row + byte[None, :] * c_sd, mask=ok, other=0).to(tl.int32)
-        if 8 % BITS != 0:  # INT3: a code may continue in the next byte
-            spills = (shift + BITS) > 8
-            high = tl.load(row + (byte + 1)[None, :] * c_sd, mask=ok & spills[None, :], other=0).to(tl.int32)
-            word = word | (high << 8)
+        if BITS == 3:
+            # Eight codes in three bytes: read the group's three bytes whole into a 24-bit word, no load masked by
+            # channel. (The earlier reading, byte (3 d) // 8 plus the next byte only where the code spills, gave
+            # wrong values for channels 6 and 7 of every 8 in the compiled dequantize kernel with Triton 3.6 on an
+            # H200, though not in the attention kernel nor the interpreter; the cause was not established.)
+            first = ((d // 8) * 3)[None, :]
+            word = tl.load(row + first * c_sd, mask=ok, other=0).to(tl.int32)
+            word = word | (tl.load(row + (first + 1) * c_sd, mask=ok, other=0).to(tl.int32) << 8)
+            word = word | (tl.load(row + (first + 2) * c_sd, mask=ok, other=0).to(tl.int32) << 16)
+            shift = (d % 8) * 3
+        else:  # INT4 / INT2: whole codes in each byte
+            bit = d * BITS
+            word = tl.load(row + (bit // 8)[None, :] * c_sd, mask=ok, other=0).to(tl.int32)
+            shift = bit % 8
         q = ((word >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
     s_off = (t[:, None] // GT) * s_st + (d[None, :] // GD) * s_sd
     s = tl.load(scale + s_off, mask=ok, other=0).to(tl.float32)
@@ -108,13 +115,15 @@ def _part_attention_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_BITS: tl.constexpr, K_GT: tl.constexpr, K_GD: tl.constexpr,
     V_BITS: tl.constexpr, V_GT: tl.constexpr, V_GD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT: tl.constexpr,
 ):
     """One (batch x KV head, split of tokens): softmax attention of the head's query rows over the split.
 
     ``q`` is ``[B, h, BLOCK_M, D]`` float32, row ``r * q_len + i`` = query head ``r`` of the group, token ``i``
     (rows past ``rep * q_len`` are padding). Writes ``out`` ``[B, h, n_splits, BLOCK_M, D]`` (normalized over the
     split) and ``lse`` ``[B, h, n_splits, BLOCK_M]`` (``-inf`` where the split has nothing to attend to).
+    ``DOT``: the two products are ``tl.dot`` (which needs ``BLOCK_M >= 16``); otherwise broadcast multiply-sums
+    over the ``BLOCK_M`` rows alone (a decode step's few).
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -137,7 +146,10 @@ def _part_attention_kernel(
         t = n0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
         k = _dequantize_tile(k_codes, k_scale, k_zero, t, d, t_ok, kc_st, kc_sd, ks_st, ks_sd, K_BITS, K_GT, K_GD)
-        s = tl.dot(query, tl.trans(k), input_precision="ieee") * scaling  # [BLOCK_M, BLOCK_N]
+        if DOT:
+            s = tl.dot(query, tl.trans(k), input_precision="ieee") * scaling  # [BLOCK_M, BLOCK_N]
+        else:
+            s = tl.sum(query[:, None, :] * k[None, :, :], 2) * scaling  # [BLOCK_M, BLOCK_N, D] summed over D
         if SOFTCAP:
             # softcap * tanh(s / softcap), tanh written with exp (no tanh in tl's core)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -151,7 +163,10 @@ def _part_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _dequantize_tile(v_codes, v_scale, v_zero, t, d, t_ok, vc_st, vc_sd, vs_st, vs_sd, V_BITS, V_GT, V_GD)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)  # [BLOCK_M, BLOCK_N, D] over N
         m_i = m_new
 
     seen = l_i > 0
@@ -161,6 +176,43 @@ def _part_attention_kernel(
     slot = bh * n_splits + split
     tl.store(out + (slot * BLOCK_M + rows[:, None]) * D + d[None, :], o)
     tl.store(lse + slot * BLOCK_M + rows, part_lse)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the attention kernel is launched. ``benchmarks/triton_decode.py --sweep`` times the alternatives on a
+    GPU; :data:`LAUNCH` is what runs.
+
+    The defaults are the fastest of 36 configurations timed on an H200 for the INT4 part of a SmolLM2-shaped
+    layer at 32k tokens (geometric mean over batch 1 and 64; ``benchmarks/README.md``): 3.2x faster than the
+    first ones (64 tokens, 4 warps, Triton's default stages, 2 programs per multiprocessor, ``tl.dot``) at batch
+    64, as fast at batch 1.
+
+    Attributes:
+        block_n: tokens per tile.
+        num_warps: warps per program.
+        num_stages: Triton's software-pipelining stages (None: Triton's default, 3 on Hopper, which ran 1.8x
+            slower than 1 at batch 64: the pipelined gathers take shared memory and occupancy).
+        programs_per_sm: how many programs (splits of the tokens) to aim for per multiprocessor: a decode step has
+            few batch x head programs, and each walks its tokens with little memory parallelism of its own.
+        dot_rows: from this many query rows per KV head on, the products use ``tl.dot`` over ``max(16, rows)``
+            padded rows; below it, broadcast multiply-sums over the next power of two (a decode step's 1-4 rows;
+            with more, the ``[rows, block_n, D]`` product no longer fits the registers).
+    """
+
+    block_n: int = 32
+    num_warps: int = 2
+    num_stages: int | None = 1
+    programs_per_sm: int = 32
+    dot_rows: int = 5
+
+    def options(self) -> dict:
+        """The launch keywords Triton takes besides the kernel's own arguments."""
+        extra = {} if self.num_stages is None else {"num_stages": self.num_stages}
+        return {"num_warps": self.num_warps, "enable_fp_fusion": False, **extra}
+
+
+LAUNCH = Launch()
 
 
 # ---------------------------------------------------------------------------------------------------- codes
@@ -344,8 +396,9 @@ class _Attention:
         keys, values = _Codes.of(part.keys), _Codes.of(part.values)
         b, hq, t_q, d = q.shape
         h, rows, tokens = hq // self.rep, self.rep * t_q, part.keys.num_tokens
-        block_m = max(16, triton.next_power_of_2(rows))  # tl.dot needs at least 16 rows
-        block_n = 32 if d >= 256 else 64
+        dot = rows >= LAUNCH.dot_rows
+        block_m = max(16 if dot else 1, triton.next_power_of_2(rows))  # tl.dot needs at least 16 rows
+        block_n = LAUNCH.block_n
         split = self.split_size(tokens, b * h, block_n)
         n_splits = triton.cdiv(tokens, split)
         q_rows = q.new_zeros(b, h, block_m, d)
@@ -358,8 +411,8 @@ class _Attention:
             h, tokens, self.rep, t_q, split, n_splits, self.scaling, self.softcap or 1.0,
             D=d, BLOCK_M=block_m, BLOCK_N=block_n, K_BITS=keys.bits, K_GT=keys.tokens_per_scale,
             K_GD=keys.channels_per_scale, V_BITS=values.bits, V_GT=values.tokens_per_scale,
-            V_GD=values.channels_per_scale, HAS_BIAS=bias is not None, SOFTCAP=self.softcap is not None,
-            enable_fp_fusion=False,
+            V_GD=values.channels_per_scale, HAS_BIAS=bias is not None, SOFTCAP=self.softcap is not None, DOT=dot,
+            **LAUNCH.options(),
         )
         out, lse = _merge(out, lse, 2)  # [B, h, BLOCK_M, D], [B, h, BLOCK_M]
         return out[:, :, :rows].reshape(b, hq, t_q, d), lse[:, :, :rows].reshape(b, hq, t_q)
@@ -369,7 +422,7 @@ class _Attention:
         if self.split_tokens is not None:
             return max(block_n, triton.cdiv(self.split_tokens, block_n) * block_n)
         if self.query.device.type == "cuda":
-            target = 2 * _multiprocessors(self.query.device)
+            target = LAUNCH.programs_per_sm * _multiprocessors(self.query.device)
             splits = max(1, target // max(programs, 1))
             return max(block_n, triton.cdiv(triton.cdiv(tokens, splits), block_n) * block_n)
         return max(block_n, triton.cdiv(tokens, block_n) * block_n)  # the interpreter: one program per head
