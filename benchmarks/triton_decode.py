@@ -1,24 +1,31 @@
 """Decode attention on a GPU: the fused Triton kernel over kvguard's packed cache vs FP16 SDPA.
 
     .venv/bin/python benchmarks/triton_decode.py [--contexts 8192,16384,32768] [--precisions int4,int3,int2,int8]
-                                                 [--batch 1] [--iters 200] [--json F]
+                                                 [--batches 1,64] [--iters 200] [--graphs] [--sweep] [--json F]
     .venv/bin/python benchmarks/triton_decode.py --compile-only [--arch 90]     # no GPU needed
 
-**Needs a CUDA GPU; it has not been run yet** (the machines this project runs on have none). One layer shaped like
-SmolLM2-135M's (9 query / 3 KV heads, head_dim 64, group 32, 4 sinks, FP16 window 64) is filled with
-``context`` random keys (per-channel outliers, as real keys have) and values, then one query token is timed (CUDA
-events, median of ``--iters`` after warm-up) three ways, side by side in one process:
+Needs a CUDA GPU (`benchmarks/gpu_checks.sh` runs it with the kernel's tests). One layer shaped like SmolLM2-135M's
+(9 query / 3 KV heads, head_dim 64, group 32, 4 sinks, FP16 window 64) is filled with ``context`` random keys
+(per-channel outliers, as real keys have) and values, then one query token is timed (CUDA events, median of
+``--iters`` after warm-up), side by side in one process:
 
 - ``fp16-sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` over FP16 K/V of the same length (what an
   unquantized cache reads);
-- ``kvguard-dequant``: what kvguard does today, ``layer.materialize()`` (the whole history dequantized) + SDPA;
-- ``kvguard-triton``: :func:`kvguard.triton_attention.decode_attention`, reading the codes directly.
+- ``kvguard-dequant``: what kvguard's cache does in a model, ``layer.materialize()`` (the whole history
+  dequantized) + SDPA;
+- ``kvguard-triton``: :func:`kvguard.triton_attention.decode_attention`, reading the codes directly;
+- ``kvguard-triton-part``: the quantized part's kernel alone, with its split merge (the rest of ``kvguard-triton``
+  is torch: the sinks' and window's attention and the final log-sum-exp merge, a few small launches each);
+- with ``--graphs``, ``fp16-sdpa+graph`` and ``kvguard-triton+graph``: the same calls replayed from a CUDA graph,
+  as engines that capture their decode step run them (the launches' CPU cost gone).
 
-Columns: microseconds per call, the ratio to ``fp16-sdpa`` of the same context (below 1 is faster), the layer's
-stored bytes over FP16 bytes, and the largest difference of the Triton output from ``kvguard-dequant``'s: a check
-of the compiled kernel, which CI runs only in Triton's interpreter; expect float16 rounding (~1e-3), since that
-path rounds the dequantized K/V and the output to float16 while the kernel computes in float32.
-Attention of one layer is all that is timed: no model, no projections, no KV writes.
+Columns: microseconds per call, the ratio to ``fp16-sdpa`` of the same context and batch (below 1 is faster), the
+layer's stored bytes over FP16 bytes, and the largest difference of the Triton output from ``kvguard-dequant``'s:
+a check of the compiled kernel; expect float16 rounding (~1e-3), since that path rounds the dequantized K/V and
+the output to float16 while the kernel computes in float32. ``--sweep`` first times the INT4 part's kernel under
+every launch configuration of ``SWEEP`` (:class:`kvguard.triton_attention.Launch`) at the largest context, then
+runs the table with the best one (lowest geometric mean ratio over the batches). Attention of one layer is
+all that is timed: no model, no projections, no KV writes.
 
 ``--compile-only`` needs no GPU: it compiles both kernels, for every precision and with / without mask and softcap,
 to a CUDA binary for ``sm_<arch>`` (Triton ships ``ptxas``), which catches what the interpreter does not check
@@ -28,6 +35,7 @@ to a CUDA binary for ``sm_<arch>`` (Triton ships ``ptxas``), which catches what 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -66,32 +74,131 @@ def median_us(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph and replayed: what a serving engine that captures its decode step
+    (vLLM, SGLang) pays, the kernel launches' CPU cost gone. None when ``fn`` cannot be captured."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as torch's docs ask before a capture
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+    except Exception as err:  # noqa: BLE001 - a capture failure is a result to report, not a crash
+        print(f"[triton_decode] CUDA graph capture failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return None
+
+
 def sdpa(query, keys, values):
     return torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
 
 
-def measure(precision: str, context: int, batch: int, iters: int, device: torch.device) -> list[dict]:
-    from kvguard.triton_attention import decode_attention
+def methods(layer, query, keys, values) -> dict:
+    """The timed calls, by row name: FP16 SDPA, dequantize + SDPA, the whole Triton path, and the quantized part's
+    kernel alone (with its split merge: the rest of the Triton path is the sinks, window and final merge in torch)."""
+    from kvguard import triton_attention as ta
 
-    layer, keys, values = filled_layer(precision, context, batch, device)
-    query = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, device=device, dtype=torch.float16)
+    attention = ta._Attention(query, layer.num_heads, None, HEAD_DIM ** -0.5, None, None)
+    part = layer._runs[0].parts[0]
+    q32 = query.float()
 
     def dequant():
         k, v = layer.materialize(torch.float16)
         return sdpa(query, k, v)
 
-    def triton():
-        return decode_attention(layer, query)
+    return {
+        "fp16-sdpa": lambda: sdpa(query, keys, values),
+        "kvguard-dequant": dequant,
+        "kvguard-triton": lambda: ta.decode_attention(layer, query),
+        "kvguard-triton-part": lambda: attention.kernel(q32, part, None),
+    }
 
-    diff = (triton().float() - dequant().float()).abs().max().item()
-    base = median_us(lambda: sdpa(query, keys, values), iters)
+
+def measure(precision: str, context: int, batch: int, iters: int, graphs: bool, device: torch.device) -> list[dict]:
+    from kvguard.triton_attention import decode_attention
+
+    layer, keys, values = filled_layer(precision, context, batch, device)
+    query = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, device=device, dtype=torch.float16)
+    calls = methods(layer, query, keys, values)
+    diff = (decode_attention(layer, query).float() - calls["kvguard-dequant"]().float()).abs().max().item()
     ratio = layer.nbytes() / layer.fp16_nbytes()
-    rows = [dict(context=context, precision=precision, method="fp16-sdpa", us=base, vs_fp16=1.0, kv_bytes_ratio=1.0)]
-    for name, fn in (("kvguard-dequant", dequant), ("kvguard-triton", triton)):
-        us = median_us(fn, iters)
-        rows.append(dict(context=context, precision=precision, method=name, us=us, vs_fp16=us / base,
-                         kv_bytes_ratio=ratio, max_diff=diff if name == "kvguard-triton" else None))
+    timed = dict(calls)
+    if graphs:
+        for name in ("fp16-sdpa", "kvguard-triton"):
+            replay = graphed(calls[name])
+            if replay is not None:
+                timed[name + "+graph"] = replay
+    base = median_us(timed["fp16-sdpa"], iters)
+    rows = []
+    for name, fn in timed.items():
+        us = base if name == "fp16-sdpa" else median_us(fn, iters)
+        rows.append(dict(context=context, batch=batch, precision=precision, method=name, us=us, vs_fp16=us / base,
+                         kv_bytes_ratio=1.0 if name.startswith("fp16") else ratio,
+                         max_diff=diff if name == "kvguard-triton" else None))
+    del layer, keys, values
+    torch.cuda.empty_cache()
     return rows
+
+
+SWEEP = [dict(block_n=n, num_warps=w, num_stages=1, programs_per_sm=p, dot_rows=r)
+         for n in (32, 64, 128) for w in (2, 4) for p in (2, 8, 32) for r in (0, 64)]
+
+
+def sweep(context: int, batch: int, iters: int, device: torch.device) -> list[dict]:
+    """The INT4 part's kernel under each launch configuration of :data:`SWEEP` (tokens per tile x warps x
+    programs per multiprocessor x tl.dot or broadcast products), as a ratio to FP16 SDPA."""
+    from kvguard import triton_attention as ta
+
+    layer, keys, values = filled_layer("int4", context, batch, device)
+    query = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, device=device, dtype=torch.float16)
+    calls = methods(layer, query, keys, values)
+    base = median_us(calls["fp16-sdpa"], iters)
+    default, rows = ta.LAUNCH, []
+    try:
+        for config in SWEEP:
+            ta.LAUNCH = ta.Launch(**config)
+            us = median_us(calls["kvguard-triton-part"], iters)
+            rows.append(dict(context=context, batch=batch, **config, part_us=us, vs_fp16=us / base))
+            print(f"[triton_decode]   {config}: {us:.1f} us, {us / base:.2f}x fp16", file=sys.stderr, flush=True)
+    finally:
+        ta.LAUNCH = default
+    del layer, keys, values
+    torch.cuda.empty_cache()
+    return rows
+
+
+def best_launch(rows: list[dict]) -> dict:
+    """The configuration with the lowest product of its ratios over the batches swept (a geometric mean)."""
+    import math
+
+    score: dict[tuple, float] = {}
+    for r in rows:
+        key = tuple(r[k] for k in SWEEP[0])
+        score[key] = score.get(key, 0.0) + math.log(r["vs_fp16"])
+    return dict(zip(SWEEP[0], min(score, key=score.get)))
+
+
+def print_sweep(rows: list[dict]) -> None:
+    print("\n| context | batch | block_n | num_warps | programs_per_sm | dot_rows | part us | vs fp16-sdpa |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["batch"], r["part_us"])):
+        print(f"| {r['context']} | {r['batch']} | {r['block_n']} | {r['num_warps']} | {r['programs_per_sm']} "
+              f"| {r['dot_rows']} | {r['part_us']:.1f} | {r['vs_fp16']:.2f} |")
+
+
+def print_table(rows: list[dict], device: torch.device) -> None:
+    print(f"\n{torch.cuda.get_device_name(device)}, {HEADS_Q} / {HEADS_KV} heads, head_dim {HEAD_DIM}, one query "
+          f"token\n")
+    print("| context | batch | precision | method | us | vs fp16-sdpa | kv_bytes_ratio | max_diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        diff = "-" if r.get("max_diff") is None else f"{r['max_diff']:.1e}"
+        print(f"| {r['context']} | {r['batch']} | {r['precision']} | {r['method']} | {r['us']:.1f} "
+              f"| {r['vs_fp16']:.2f} | {r['kv_bytes_ratio']:.3f} | {diff} |")
 
 
 def compile_only(arch: int) -> int:
@@ -119,14 +226,15 @@ def compile_only(arch: int) -> int:
         codes = "*i8" if bits == 8 else "*u8"
         side = dict(codes=codes, scale="*fp16", zero="*fp16")
         for masked in (False, True):
-            constants = dict(D=HEAD_DIM, BLOCK_M=16, BLOCK_N=64, K_BITS=bits, K_GT=32, K_GD=1, V_BITS=bits, V_GT=1,
-                             V_GD=32, HAS_BIAS=masked, SOFTCAP=masked)
+            constants = dict(D=HEAD_DIM, BLOCK_M=16 if masked else 4, BLOCK_N=ta.LAUNCH.block_n, K_BITS=bits,
+                             K_GT=32, K_GD=1, V_BITS=bits, V_GT=1, V_GD=32, HAS_BIAS=masked, SOFTCAP=masked,
+                             DOT=masked)
             pointers = dict(q="*fp32", out="*fp32", lse="*fp32", bias="*fp32", kc=codes, ks="*fp16", kz="*fp16",
                             vc=codes, vs="*fp16", vz="*fp16")
             fn = ta._part_attention_kernel
             start = time.perf_counter()
             triton.compile(ASTSource(fn, signature(fn, pointers, constants), constants), target, options)
-            print(f"attention int{bits} mask+softcap={masked}: compiled for sm_{arch} in "
+            print(f"attention int{bits} mask+softcap+dot={masked}: compiled for sm_{arch} in "
                   f"{time.perf_counter() - start:.1f} s")
         constants = dict(D=HEAD_DIM, BLOCK_N=64, BITS=bits, GT=32, GD=1)
         fn = ta._dequantize_kernel
@@ -140,8 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="8192,16384,32768")
     parser.add_argument("--precisions", default="int4,int3,int2,int8")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batches", default="1", help="batch sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--graphs", action="store_true", help="also time FP16 SDPA and the Triton path replayed "
+                        "from a CUDA graph")
+    parser.add_argument("--sweep", action="store_true", help="first time the INT4 kernel under every launch "
+                        "configuration at the largest context, per batch; the table then runs the best")
     parser.add_argument("--json")
     parser.add_argument("--compile-only", action="store_true", help="compile the kernels for a CUDA target, no GPU")
     parser.add_argument("--arch", type=int, default=90, help="the CUDA target's compute capability for --compile-only")
@@ -153,22 +265,34 @@ def main(argv: list[str] | None = None) -> int:
               "slowly to time)", file=sys.stderr)
         return 2
     device = torch.device("cuda")
+    from kvguard import triton_attention as ta
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    sweeps, chosen = [], None
+    if args.sweep:  # first, so that the table below runs the best configuration
+        for batch in batches:
+            print(f"[triton_decode] batch {batch}: launch sweep at {max(contexts)} tokens", file=sys.stderr, flush=True)
+            sweeps += sweep(max(contexts), batch, args.iters // 2, device)
+        chosen = best_launch(sweeps)
+        print(f"[triton_decode] best launch over the batches: {chosen}", file=sys.stderr, flush=True)
+        ta.LAUNCH = ta.Launch(**chosen)
     rows = []
-    for context in (int(c) for c in args.contexts.split(",")):
-        for precision in args.precisions.split(","):
-            print(f"[triton_decode] {precision} at {context} tokens", file=sys.stderr, flush=True)
-            rows += measure(precision, context, args.batch, args.iters, device)
-    print(f"\n{torch.cuda.get_device_name(device)}, batch {args.batch}, {HEADS_Q} / {HEADS_KV} heads, "
-          f"head_dim {HEAD_DIM}, one query token\n")
-    print("| context | precision | method | us | vs fp16-sdpa | kv_bytes_ratio | max_diff |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        diff = "-" if r.get("max_diff") is None else f"{r['max_diff']:.1e}"
-        print(f"| {r['context']} | {r['precision']} | {r['method']} | {r['us']:.1f} | {r['vs_fp16']:.2f} "
-              f"| {r['kv_bytes_ratio']:.3f} | {diff} |")
+    for batch in batches:
+        for context in contexts:
+            for precision in args.precisions.split(","):
+                print(f"[triton_decode] batch {batch}, {precision} at {context} tokens", file=sys.stderr, flush=True)
+                rows += measure(precision, context, batch, args.iters, args.graphs, device)
+                print("[triton_decode]   " + ", ".join(f"{r['method']} {r['us']:.1f} us" for r in rows[-6:]),
+                      file=sys.stderr, flush=True)
+    if sweeps:
+        print_sweep(sweeps)
+    print(f"\nlaunch: {ta.LAUNCH}")
+    print_table(rows, device)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                       "launch": dataclasses.asdict(ta.LAUNCH), "rows": rows, "sweep": sweeps}, f, indent=2)
     return 0
 
 
