@@ -181,8 +181,8 @@ def test_scaling_softcap_and_calibrated_int8_scales():
 
 # ------------------------------------------------------------------------------------------------ launches
 @pytest.mark.parametrize("launch", [
-    ta.Launch(block_n=64, num_warps=4, num_stages=None, programs_per_sm=2, dot_rows=0),  # tl.dot over 16 rows
-    ta.Launch(num_stages=2, dot_rows=64),  # broadcast products over 4 rows
+    ta.Launch(block_n=64, num_warps=4, num_stages=None, programs_per_sm=2, broadcast_limit=0),  # tl.dot, 16 rows
+    ta.Launch(num_stages=2, broadcast_limit=1 << 20),  # broadcast products over the 4 rows
     ta.Launch(block_n=128, num_warps=4, programs_per_sm=16),
 ])
 def test_every_launch_configuration_computes_the_same_attention(monkeypatch, launch):

@@ -195,16 +195,17 @@ class Launch:
             slower than 1 at batch 64: the pipelined gathers take shared memory and occupancy).
         programs_per_sm: how many programs (splits of the tokens) to aim for per multiprocessor: a decode step has
             few batch x head programs, and each walks its tokens with little memory parallelism of its own.
-        dot_rows: from this many query rows per KV head on, the products use ``tl.dot`` over ``max(16, rows)``
-            padded rows; below it, broadcast multiply-sums over the next power of two (a decode step's 1-4 rows;
-            with more, the ``[rows, block_n, D]`` product no longer fits the registers).
+        broadcast_limit: the products are broadcast multiply-sums over the query rows (to the next power of two)
+            instead of ``tl.dot`` over rows padded to 16 when ``rows x block_n x head_dim`` is at most this: 4 x 32
+            x 64 is the case measured faster (SmolLM2's 3 query heads per KV head, one token, 0.71-1.04x the time
+            at batch 64). Larger products outgrow the registers (4 x 128 x 64 with 2 warps: 8.7-13.6x slower).
     """
 
     block_n: int = 32
     num_warps: int = 2
     num_stages: int | None = 1
     programs_per_sm: int = 32
-    dot_rows: int = 5
+    broadcast_limit: int = 4 * 32 * 64
 
     def options(self) -> dict:
         """The launch keywords Triton takes besides the kernel's own arguments."""
@@ -396,9 +397,10 @@ class _Attention:
         keys, values = _Codes.of(part.keys), _Codes.of(part.values)
         b, hq, t_q, d = q.shape
         h, rows, tokens = hq // self.rep, self.rep * t_q, part.keys.num_tokens
-        dot = rows >= LAUNCH.dot_rows
-        block_m = max(16 if dot else 1, triton.next_power_of_2(rows))  # tl.dot needs at least 16 rows
-        block_n = LAUNCH.block_n
+        block_n, block_m = LAUNCH.block_n, triton.next_power_of_2(rows)
+        dot = block_m * block_n * d > LAUNCH.broadcast_limit
+        if dot:
+            block_m = max(16, block_m)  # tl.dot needs at least 16 rows
         split = self.split_size(tokens, b * h, block_n)
         n_splits = triton.cdiv(tokens, split)
         q_rows = q.new_zeros(b, h, block_m, d)
