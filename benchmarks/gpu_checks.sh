@@ -5,6 +5,10 @@
 #      8k and 32k tokens, batch 1 and 64, INT4/3/2/8, with CUDA-graph rows.
 # Usage: benchmarks/gpu_checks.sh OUT_DIR    (PYTHON: a Python with CUDA torch, Triton and transformers 5.24;
 # default python3). Each step's log and the benchmark's JSON go to OUT_DIR; the exit status is the first failure's.
+# It needs nothing else of kvguard's install (src/ goes on PYTHONPATH). On a GPU machine that cannot reach an index,
+# bring transformers' wheel (`pip download --no-deps transformers==5.24.0`) and install it first, e.g.
+#   pip install --no-deps --target /tmp/site transformers-5.24.0-py3-none-any.whl && export PYTHONPATH=/tmp/site
+# (the H200 run in benchmarks/README.md did that, with the machine's own torch 2.11 and Triton 3.6).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_checks.sh OUT_DIR}
 py=${PYTHON:-python3}
