@@ -97,11 +97,14 @@ def sdpa(query, keys, values):
     return torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
 
 
-def methods(layer, query, keys, values) -> dict:
-    """The timed calls, by row name: FP16 SDPA, dequantize + SDPA, the whole Triton path, and the quantized part's
-    kernel alone (with its split merge: the rest of the Triton path is the sinks, window and final merge in torch)."""
+def setup(precision: str, context: int, batch: int, device: torch.device):
+    """A filled layer and the timed calls on it, by row name: FP16 SDPA, dequantize + SDPA, the whole Triton path,
+    and the quantized part's kernel alone (with its split merge: the rest of the Triton path is the sinks, window
+    and final merge in torch)."""
     from kvguard import triton_attention as ta
 
+    layer, keys, values = filled_layer(precision, context, batch, device)
+    query = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, device=device, dtype=torch.float16)
     attention = ta._Attention(query, layer.num_heads, None, HEAD_DIM ** -0.5, None, None)
     part = layer._runs[0].parts[0]
     q32 = query.float()
@@ -110,7 +113,7 @@ def methods(layer, query, keys, values) -> dict:
         k, v = layer.materialize(torch.float16)
         return sdpa(query, k, v)
 
-    return {
+    return layer, {
         "fp16-sdpa": lambda: sdpa(query, keys, values),
         "kvguard-dequant": dequant,
         "kvguard-triton": lambda: ta.decode_attention(layer, query),
@@ -119,12 +122,8 @@ def methods(layer, query, keys, values) -> dict:
 
 
 def measure(precision: str, context: int, batch: int, iters: int, graphs: bool, device: torch.device) -> list[dict]:
-    from kvguard.triton_attention import decode_attention
-
-    layer, keys, values = filled_layer(precision, context, batch, device)
-    query = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, device=device, dtype=torch.float16)
-    calls = methods(layer, query, keys, values)
-    diff = (decode_attention(layer, query).float() - calls["kvguard-dequant"]().float()).abs().max().item()
+    layer, calls = setup(precision, context, batch, device)
+    diff = (calls["kvguard-triton"]().float() - calls["kvguard-dequant"]().float()).abs().max().item()
     ratio = layer.nbytes() / layer.fp16_nbytes()
     timed = dict(calls)
     if graphs:
@@ -139,7 +138,7 @@ def measure(precision: str, context: int, batch: int, iters: int, graphs: bool, 
         rows.append(dict(context=context, batch=batch, precision=precision, method=name, us=us, vs_fp16=us / base,
                          kv_bytes_ratio=1.0 if name.startswith("fp16") else ratio,
                          max_diff=diff if name == "kvguard-triton" else None))
-    del layer, keys, values
+    del layer, calls, timed  # the calls hold the K/V
     torch.cuda.empty_cache()
     return rows
 
@@ -154,9 +153,7 @@ def sweep(context: int, batch: int, iters: int, device: torch.device) -> list[di
     programs per multiprocessor x tl.dot or broadcast products), as a ratio to FP16 SDPA."""
     from kvguard import triton_attention as ta
 
-    layer, keys, values = filled_layer("int4", context, batch, device)
-    query = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, device=device, dtype=torch.float16)
-    calls = methods(layer, query, keys, values)
+    layer, calls = setup("int4", context, batch, device)
     base = median_us(calls["fp16-sdpa"], iters)
     default, rows = ta.LAUNCH, []
     try:
@@ -167,7 +164,7 @@ def sweep(context: int, batch: int, iters: int, device: torch.device) -> list[di
             print(f"[triton_decode]   {config}: {us:.1f} us, {us / base:.2f}x fp16", file=sys.stderr, flush=True)
     finally:
         ta.LAUNCH = default
-    del layer, keys, values
+    del layer, calls
     torch.cuda.empty_cache()
     return rows
 

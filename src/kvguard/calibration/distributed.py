@@ -2,7 +2,8 @@
 
 Three stages of ``kvguard calibrate`` are many independent pieces of work on one model:
 
-- **statistics** — the forward passes of one calibration batch (:func:`kvguard.calibration.kv_statistics.collect_batch`);
+- **statistics** — the forward passes of one calibration batch
+  (:func:`kvguard.calibration.kv_statistics.collect_batch`);
 - **sensitivity** — one held-out score per layer / KV-head trial (:func:`kvguard.calibration.sensitivity.measure`);
 - **search** — one held-out score per candidate plan (:class:`kvguard.calibration.search.Searcher`).
 

@@ -120,7 +120,8 @@ class HeldOut:
                 start = min(first_quantized_query(plan), n - 1)
                 ref, ref_top1 = self.references[domain][start:], self.reference.top1[domain][start:]
                 metrics = TokenMetrics()
-                with prefix.resumed(self.model, layer, recorded[domain][layer]) if recorded else contextlib.nullcontext():
+                resumed = prefix.resumed(self.model, layer, recorded[domain][layer]) if recorded else None
+                with resumed or contextlib.nullcontext():
                     logits = simulate_logits(self.model, ids[:-1], plan, scales, keep_from=start)  # [n - start, vocab]
                 for i in range(0, logits.shape[0], _SLICE):
                     metrics.add(logits[i:i + _SLICE], ids[start + 1 + i:start + 1 + i + _SLICE].to(logits.device),

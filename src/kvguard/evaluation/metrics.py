@@ -42,7 +42,8 @@ class TokenMetrics:
         if reference_logprobs is not None and reference_logprobs.shape != logits.shape:
             raise ValueError(f"reference shape {tuple(reference_logprobs.shape)} != logits shape {tuple(logits.shape)}")
         if reference_top1 is not None and reference_top1.shape != targets.shape:
-            raise ValueError(f"reference top-1 shape {tuple(reference_top1.shape)} != targets shape {tuple(targets.shape)}")
+            raise ValueError(f"reference top-1 shape {tuple(reference_top1.shape)} "
+                             f"!= targets shape {tuple(targets.shape)}")
         for i in range(0, logits.shape[0], _ROWS):
             ref = None if reference_logprobs is None else reference_logprobs[i:i + _ROWS].float()
             top1 = None if reference_top1 is None else reference_top1[i:i + _ROWS]
