@@ -6,8 +6,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvguard import models
+from kvguard.architecture import Architecture
 from kvguard.calibration.pipeline import calibrate
+from kvguard.calibration.search import LAYOUTS, low_bit_layout
 from kvguard.evaluation import methods
+from kvguard.plan import Plan
 from kvguard.precision import Precision
 from tests.helpers import small_config
 
@@ -28,12 +32,32 @@ def test_sensitivity_measures_rotation_per_layer_and_side(low_bit):
     assert not torch.allclose(rotated[:, 0], alone) and not torch.allclose(rotated[:, 1], alone)
 
 
-def test_search_reaches_below_int4_with_int3_and_rotation(low_bit):
+def _config(name_or_path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(models.resolve(name_or_path))
+
+
+def test_low_bit_layout_is_the_one_that_stores_int3_in_fewer_bytes():
+    smol, gemma = _config("smollm2-135m"), _config("gemma3-270m")
+    # SmolLM2 holds all 2,048 tokens in every layer: halving the scale bytes (groups of 64) saves more than
+    # halving the FP window. Gemma 3's sliding layers hold 512 tokens, where the window is the larger share.
+    for config, chosen, other in ((smol, "window-32 group-64", "window-16"), (gemma, "window-16", "window-32 group-64")):
+        assert low_bit_layout(config, 2048) == chosen
+        arch = Architecture.from_config(config)
+        stored = {name: Plan.uniform(arch, "int3", LAYOUTS[name]).kv_bytes(config, 2048)[0] for name in (chosen, other)}
+        assert stored[chosen] < stored[other]  # strictly fewer, not a tie broken by order
+
+
+def test_search_reaches_below_int4_with_int3_and_rotation(low_bit, smollm2_4_layers):
     log = {c.name: c for c in low_bit.meta.search_log}
     b4 = log["L1 all-int4 window-64"].memory
-    assert {"L1 all-int3+rot window-64", "L1 all-int2+rot window-32 group-64"} <= set(log)
+    layout = low_bit_layout(_config(smollm2_4_layers), 512)  # the fixture's calibration context
+    assert {"L1 all-int3+rot window-64", f"L1 all-int2+rot {layout}", f"L1 all-int4 {layout}"} <= set(log)
     low = [c for c in low_bit.meta.search_log if "low-bit" in c.name and "no " not in c.name]
     assert low and min(c.memory for c in low) < 0.8 * b4
+    in_layout = [c for c in low if f"L2 mixed {layout} " in c.name]
+    assert in_layout and all(replace(c.plan.cache, score_correction=False) == LAYOUTS[layout] for c in in_layout)
     assert any(Precision.INT3 in lp.precision for c in low for lp in c.plan.layers)
     assert any(lp.key_rotation or lp.value_rotation for c in low for lp in c.plan.layers)
     # Rotation only where a head is below INT8 (the transform applies to those heads only).

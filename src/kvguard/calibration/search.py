@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvguard import score_bias
+from kvguard.architecture import Architecture
 from kvguard.calibration.distributed import Executor, LocalExecutor
 from kvguard.calibration.heldout import HeldOut
 from kvguard.calibration.latency import TIERS, LatencyModel
@@ -37,11 +38,16 @@ from kvguard.precision import Precision
 from kvguard.profile import Candidate
 
 # Cache layouts level 1 tries: the default (FP window 64, groups of 32), a shorter FP window, larger groups
-# (half the scale / zero-point bytes), and both: below 3 bits the window and the scales are a third of the
-# bytes, so the low-bit frontier lives in that layout.
+# (half the scale / zero-point bytes), and the low-bit layouts.
 LAYOUTS = {"window-64": CacheConfig(), "window-32": CacheConfig(residual=32), "group-64": CacheConfig(group_size=64),
-           "window-32 group-64": CacheConfig(residual=32, group_size=64)}
-DEFAULT_LAYOUT, LOW_BIT_LAYOUT = "window-64", "window-32 group-64"
+           "window-32 group-64": CacheConfig(residual=32, group_size=64), "window-16": CacheConfig(residual=16)}
+DEFAULT_LAYOUT = "window-64"
+# Below 3 bits the FP window and the scales are a third of the bytes, so the low-bit frontier lives in a layout
+# that shrinks one of them, and which one pays more depends on the model. Groups of 64 halve the scale bytes; a
+# 16-token window with groups of 32 halves the window instead (tokens wait in it R + G/2 = 32 on average, not
+# 64), which is the larger share where sliding layers keep few tokens (Gemma 3: 512). The search uses the one
+# that stores all-INT3 in fewer bytes at the calibration context (:func:`low_bit_layout`), the first on a tie.
+LOW_BIT_LAYOUTS = ("window-32 group-64", "window-16")
 CLIP_GRID = (0.95, 0.9)
 # Low-bit memory targets as fractions of the default layout's all-INT4 bytes (B4), and the ones also searched
 # without rotation and without INT3 (the ablation at a fixed budget, kept in the search log).
@@ -58,6 +64,17 @@ def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
         if not front or c.quality.kl < front[-1].quality.kl:
             front.append(c)
     return front
+
+
+def low_bit_layout(model_config, context: int) -> str:
+    """The name of the :data:`LOW_BIT_LAYOUTS` entry that stores an all-INT3 cache of ``context`` tokens in the
+    fewest bytes (shapes only: no model run)."""
+    arch = Architecture.from_config(model_config)
+
+    def int3_bytes(name: str) -> int:
+        return Plan.uniform(arch, Precision.INT3, LAYOUTS[name]).kv_bytes(model_config, context)[0]
+
+    return min(LOW_BIT_LAYOUTS, key=int3_bytes)
 
 
 def best(candidates: list[Candidate]) -> Candidate:
@@ -120,17 +137,24 @@ class Searcher:
 
     # ------------------------------------------------------------------ level 1
     def level1(self, low_bit: bool = False) -> list[Candidate]:
-        """Global precision x cache layout: INT8 and INT4 in every layout; all-INT2 in the default layout as
-        the floor of the frontier; with ``low_bit``, all-INT3 and all-INT2 rotated in the default and the
-        low-bit layouts (their KL ratio prices INT3 in level 2)."""
+        """Global precision x cache layout: INT8 and INT4 in every layout but the low-bit ones; all-INT2 in the
+        default layout as the floor of the frontier; with ``low_bit``, INT8 and INT4 in the model's low-bit
+        layout too, and all-INT3 and all-INT2 rotated in the default and the low-bit layouts (their KL ratio
+        prices INT3 in level 2)."""
+        low = self.low_bit_layout if low_bit else None
         todo = [(f"L1 all-{tier.value} {lname}", 1, Plan.uniform(self.arch, tier, layout))
                 for lname, layout in LAYOUTS.items() for tier in (Precision.INT8, Precision.INT4)
-                if lname != LOW_BIT_LAYOUT or low_bit]
+                if lname not in LOW_BIT_LAYOUTS or lname == low]
         todo.append((f"L1 all-int2 {DEFAULT_LAYOUT}", 1, Plan.uniform(self.arch, Precision.INT2, LAYOUTS[DEFAULT_LAYOUT])))
         if low_bit and self.rotatable:
             todo += [(f"L1 all-{tier.value}+rot {lname}", 1, Plan.uniform(self.arch, tier, LAYOUTS[lname]).with_rotation(True, True))
-                     for lname in (DEFAULT_LAYOUT, LOW_BIT_LAYOUT) for tier in (Precision.INT3, Precision.INT2)]
+                     for lname in (DEFAULT_LAYOUT, low) for tier in (Precision.INT3, Precision.INT2)]
         return self.evaluate_all(todo, "search level 1")
+
+    @property
+    def low_bit_layout(self) -> str:
+        """This model's low-bit layout at the calibration context (:func:`low_bit_layout`)."""
+        return low_bit_layout(self.model.config, self.context)
 
     @property
     def rotatable(self) -> bool:
@@ -216,8 +240,8 @@ class Searcher:
         rot3, rot2 = (by_name.get(f"L1 all-{t}+rot {DEFAULT_LAYOUT}") for t in ("int3", "int2"))
         ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
         rotate = self.rotatable
-        out = []
-        for lname in (DEFAULT_LAYOUT, LOW_BIT_LAYOUT):
+        out, low = [], self.low_bit_layout
+        for lname in (DEFAULT_LAYOUT, low):
             layout = LAYOUTS[lname]
             floor = float(self.layer_bytes(layout)[0][:, INT2].sum() / self.layer_bytes(layout)[1].sum())
             targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.005]
@@ -225,8 +249,8 @@ class Searcher:
         out += self.corrected(out)
         ablation = [round(f * b4, 4) for f in ABLATION_TARGETS]
         if rotate:
-            out += self.level2(sens, LAYOUTS[LOW_BIT_LAYOUT], int8_kl, ablation, int3_ratio=ratio, label=" low-bit, no rotation")
-        out += self.level2(sens, LAYOUTS[LOW_BIT_LAYOUT], int8_kl, ablation, rotate=rotate, label=" low-bit, no int3")
+            out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, int3_ratio=ratio, label=" low-bit, no rotation")
+        out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, rotate=rotate, label=" low-bit, no int3")
         return out
 
     def corrected(self, candidates: list[Candidate]) -> list[Candidate]:
