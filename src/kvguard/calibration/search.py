@@ -21,6 +21,7 @@ come first: the chosen plan is the lowest-scoring candidate that meets them.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 from tqdm.auto import tqdm
@@ -151,9 +152,10 @@ class Searcher:
                      for lname in (DEFAULT_LAYOUT, low) for tier in (Precision.INT3, Precision.INT2)]
         return self.evaluate_all(todo, "search level 1")
 
-    @property
+    @functools.cached_property
     def low_bit_layout(self) -> str:
-        """This model's low-bit layout at the calibration context (:func:`low_bit_layout`)."""
+        """This model's low-bit layout at the calibration context (:func:`low_bit_layout`; worked out once: it
+        builds a cache per candidate layout)."""
         return low_bit_layout(self.model.config, self.context)
 
     @property
