@@ -71,7 +71,8 @@ def _dequantize_tile(codes, scale, zero, t, d, t_ok, c_st, c_sd, s_st, s_sd,
             # Eight codes in three bytes: read the group's three bytes whole into a 24-bit word, no load masked by
             # channel. (The earlier reading, byte (3 d) // 8 plus the next byte only where the code spills, gave
             # wrong values for channels 6 and 7 of every 8 in the compiled dequantize kernel with Triton 3.6 on an
-            # H200, though not in the attention kernel nor the interpreter; the cause was not established.)
+            # H200, though not in the attention kernel nor the interpreter; the cause was not established. This
+            # reading passed every test compiled there.)
             first = ((d // 8) * 3)[None, :]
             word = tl.load(row + first * c_sd, mask=ok, other=0).to(tl.int32)
             word = word | (tl.load(row + (first + 1) * c_sd, mask=ok, other=0).to(tl.int32) << 8)
