@@ -28,7 +28,7 @@ def expected_layout(keys, values, cfg, precision="int4"):
     start, end = cfg.sinks, cfg.sinks + max(quantized, 0)
     k, v = keys.clone(), values.clone()
     if end > start:
-        ks, vs = QuantSpec(precision, Axis.CHANNEL, cfg.group_size), QuantSpec(precision, Axis.TOKEN, cfg.group_size)
+        ks, vs = QuantSpec(precision, Axis.CHANNEL, cfg.group_size), QuantSpec(precision, Axis.TOKEN, cfg.value_group)
         for g0 in range(start, end, cfg.group_size):
             sl = slice(g0, g0 + cfg.group_size)
             k[..., sl, :] = quantize(keys[..., sl, :], ks).dequantize()
@@ -49,6 +49,32 @@ def test_layout_matches_reference_for_any_chunking(chunk, precision):
     window = 50 - q_end
     assert CFG.residual <= window < CFG.residual + CFG.group_size
     assert layer.quantized_positions().tolist() == list(range(CFG.sinks, q_end))
+
+
+def test_values_take_their_own_group_and_only_the_scales_thin():
+    """``value_group_size``: values scale per 16 channels while keys keep groups of 4 tokens; the same tokens are
+    quantized (the window is the keys'), the values as the reference quantizes them, in fewer scale bytes."""
+    keys, values = kv(50, 3)
+    wide = CacheConfig(residual=8, sinks=2, group_size=4, value_group_size=16, fp_dtype="float32")
+    layer, narrow = KVGuardLayer("int3", wide), KVGuardLayer("int3", CFG)
+    feed(layer, keys, values, 3)
+    feed(narrow, keys, values, 3)
+    exp_k, exp_v, q_end = expected_layout(keys, values, wide, "int3")
+    got_k, got_v = layer.materialize(torch.float32)
+    torch.testing.assert_close(got_k, exp_k, atol=0, rtol=0)
+    torch.testing.assert_close(got_v, exp_v, atol=0, rtol=0)
+    assert layer.quantized_positions().tolist() == narrow.quantized_positions().tolist() == list(range(2, q_end))
+    # One float16 scale and zero per token instead of four: 2 * 2 * (4 - 1) bytes per head and token fewer.
+    assert narrow.nbytes() - layer.nbytes() == B * H * (q_end - 2) * 12
+    assert not torch.equal(got_v, narrow.materialize(torch.float32)[1])
+
+
+def test_the_value_group_round_trips_defaults_to_the_group_and_is_checked():
+    assert "value_group_size" not in CFG.to_dict() and CFG.value_group == CFG.group_size
+    wide = CacheConfig(group_size=32, value_group_size=64)
+    assert wide.value_group == 64 and CacheConfig.from_dict(wide.to_dict()) == wide
+    with pytest.raises(ValueError, match="value_group_size must be >= 1"):
+        CacheConfig(value_group_size=0)
 
 
 def test_tokens_are_quantized_once():

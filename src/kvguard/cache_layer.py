@@ -233,7 +233,8 @@ class KVGuardLayer(CacheLayerMixin):
                     tuple(heads),
                     precision,
                     QuantSpec(precision, Axis.CHANNEL, g, self.key_clip, static and self.key_absmax is not None),
-                    QuantSpec(precision, Axis.TOKEN, g, self.value_clip, static and self.value_absmax is not None),
+                    QuantSpec(precision, Axis.TOKEN, self.config.value_group, self.value_clip,
+                              static and self.value_absmax is not None),
                     low and self.key_rotation,
                     low and self.value_rotation,
                 )

@@ -139,13 +139,13 @@ class _SimulationHook:
         fp_dtype = plan.cache.storage_dtype(key.dtype)
         k_fp, v_fp = key.to(fp_dtype).to(torch.float32), value.to(fp_dtype).to(torch.float32)
         end, switch = quantize_switch_points(t, plan)
-        s, g = plan.cache.sinks, plan.cache.group_size
+        s, g, vg = plan.cache.sinks, plan.cache.group_size, plan.cache.value_group
         rot = None
         if lp.key_rotation or lp.value_rotation:
             rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
         k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax,
                               rot if lp.key_rotation else None, self.codec, layer_idx)
-        v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, g, lp.value_clip, v_absmax,
+        v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, vg, lp.value_clip, v_absmax,
                               rot if lp.value_rotation else None, self.codec, layer_idx)
         rep = query.shape[1] // key.shape[1]
 
