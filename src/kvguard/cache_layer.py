@@ -228,13 +228,15 @@ class KVGuardLayer(CacheLayerMixin):
                 continue
             static = precision is Precision.INT8
             low = precision.bits < 8  # INT8 is near-lossless already; its static scales are unrotated
+            aligned = self.config.aligned(precision)
             layout.append(
                 _PartLayout(
                     tuple(heads),
                     precision,
-                    QuantSpec(precision, Axis.CHANNEL, g, self.key_clip, static and self.key_absmax is not None),
+                    QuantSpec(precision, Axis.CHANNEL, g, self.key_clip, static and self.key_absmax is not None,
+                              aligned),
                     QuantSpec(precision, Axis.TOKEN, self.config.value_group, self.value_clip,
-                              static and self.value_absmax is not None),
+                              static and self.value_absmax is not None, aligned),
                     low and self.key_rotation,
                     low and self.value_rotation,
                 )
