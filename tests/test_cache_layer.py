@@ -75,26 +75,6 @@ def test_the_value_group_round_trips_defaults_to_the_group_and_is_checked():
     assert wide.value_group == 64 and CacheConfig.from_dict(wide.to_dict()) == wide
     with pytest.raises(ValueError, match="value_group_size must be >= 1"):
         CacheConfig(value_group_size=0)
-    assert "aligned_int2" not in CFG.to_dict()
-    aligned = CacheConfig(aligned_int2=True)
-    assert CacheConfig.from_dict(aligned.to_dict()) == aligned
-
-
-def test_aligned_int2_snaps_int2_zero_points_to_the_grid_and_leaves_other_tiers():
-    keys, values = kv(50, 4)
-    aligned = CacheConfig(residual=8, sinks=2, group_size=4, fp_dtype="float32", aligned_int2=True)
-    for tiers, changed in ((("int2",) * H, True), (("int3",) * H, False)):
-        a, b = KVGuardLayer(tiers, aligned), KVGuardLayer(tiers, CFG)
-        feed(a, keys, values, 5)
-        feed(b, keys, values, 5)
-        part = a._runs[0].parts[0]
-        for t in (part.keys, part.values):
-            assert t.spec.aligned_zero is changed
-            if changed:
-                steps = t.zero_point.float() / t.scale.float()
-                assert bool(((steps - steps.round()).abs() <= steps.abs() * 2**-10 + 1e-3).all())
-        assert a.nbytes() == b.nbytes()  # no extra storage
-        assert torch.equal(a.materialize(torch.float32)[0], b.materialize(torch.float32)[0]) is not changed
 
 
 def test_tokens_are_quantized_once():

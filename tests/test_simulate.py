@@ -35,8 +35,7 @@ def _mixed_plan(arch: Architecture, cfg: CacheConfig, tiers: tuple[str, ...], ro
 
 
 @pytest.mark.parametrize("model_name, tiers, rotate, value_group", [
-    # every tier, rotated and not, values scaled per 32 channels while keys group 16 tokens, INT2 with 0 on its
-    # grid, in one stream
+    # every tier, rotated and not, values scaled per 32 channels while keys group 16 tokens, in one stream
     ("smollm2", ("int2", "int3", "int4", "int8", "fp16"), True, 32),
     ("gemma3_6_layers", ("int2", "int4", "int8", "fp16"), False, None)], ids=["smollm2-every-tier", "gemma3_6_layers"])
 def test_simulation_matches_chunk1_streaming(model_name, tiers, rotate, value_group, request):
@@ -45,8 +44,7 @@ def test_simulation_matches_chunk1_streaming(model_name, tiers, rotate, value_gr
     tokens = 300
     # A small window and group so most tokens switch from full precision to quantized during the stream;
     # Gemma 3 (6 layers, a 128-token window) runs past its sliding window.
-    cfg = CacheConfig(residual=16, sinks=4, group_size=16, value_group_size=value_group, aligned_int2=rotate)
-    plan = _mixed_plan(arch, cfg, tiers, rotate)
+    plan = _mixed_plan(arch, CacheConfig(residual=16, sinks=4, group_size=16, value_group_size=value_group), tiers, rotate)
     ids = data.token_stream("prose", "eval", tok, tokens)
     streamed = score_stream(model, ids, plan.make_cache(model.config), chunk=1, keep_logits=True)
     simulated = score_simulated(model, ids, plan, keep_logits=True)

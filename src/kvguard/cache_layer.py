@@ -228,15 +228,13 @@ class KVGuardLayer(CacheLayerMixin):
                 continue
             static = precision is Precision.INT8
             low = precision.bits < 8  # INT8 is near-lossless already; its static scales are unrotated
-            aligned = self.config.aligned(precision)
             layout.append(
                 _PartLayout(
                     tuple(heads),
                     precision,
-                    QuantSpec(precision, Axis.CHANNEL, g, self.key_clip, static and self.key_absmax is not None,
-                              aligned),
+                    QuantSpec(precision, Axis.CHANNEL, g, self.key_clip, static and self.key_absmax is not None),
                     QuantSpec(precision, Axis.TOKEN, self.config.value_group, self.value_clip,
-                              static and self.value_absmax is not None, aligned),
+                              static and self.value_absmax is not None),
                     low and self.key_rotation,
                     low and self.value_rotation,
                 )

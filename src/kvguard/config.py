@@ -36,10 +36,6 @@ class CacheConfig:
             INT8 (:mod:`kvguard.score_bias`; no storage). Applied where attention reads the codes: the fused
             decode attention and the decoding simulation; a multi-token chunk that reads dequantized keys is not
             corrected.
-        aligned_int2: INT2 groups put 0 on their grid (the zero point a whole number of steps; ``QuantSpec``'s
-            ``aligned_zero``). Four levels spanning a group's min..max leave 0 between two of them, where most
-            values lie; on Gemma 3's calibration text, values rotated, all-INT2 measured 16-42 % less KL this way
-            (all-INT3: 6-53 % more, so the wider tiers keep their min..max grid). No extra storage.
     """
 
     residual: int = 64
@@ -50,7 +46,6 @@ class CacheConfig:
     key_clip: float = 1.0
     value_clip: float = 1.0
     score_correction: bool = False
-    aligned_int2: bool = False
 
     def __post_init__(self) -> None:
         if self.residual < 0 or self.sinks < 0:
@@ -64,10 +59,6 @@ class CacheConfig:
         for name in ("key_clip", "value_clip"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-
-    def aligned(self, precision) -> bool:
-        """Whether groups of ``precision`` put 0 on their grid (``aligned_int2``)."""
-        return self.aligned_int2 and precision.bits == 2
 
     @property
     def value_group(self) -> int:
@@ -84,8 +75,6 @@ class CacheConfig:
             del out["score_correction"]  # off: profiles read the same as before it existed
         if self.value_group_size is None:
             del out["value_group_size"]  # likewise
-        if not self.aligned_int2:
-            del out["aligned_int2"]
         return out
 
     @classmethod

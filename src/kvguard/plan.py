@@ -149,10 +149,6 @@ class Plan:
         (``CacheConfig.score_correction``)."""
         return Plan(self.layers, replace(self.cache, score_correction=on))
 
-    def with_aligned_int2(self, on: bool = True) -> "Plan":
-        """This plan with INT2 groups putting 0 on their grid or not (``CacheConfig.aligned_int2``)."""
-        return Plan(self.layers, replace(self.cache, aligned_int2=on))
-
     def replace_layer(self, index: int, layer: LayerPlan) -> "Plan":
         """This plan with layer ``index`` replaced."""
         layers = list(self.layers)

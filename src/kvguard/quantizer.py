@@ -19,11 +19,6 @@ float16-rounded values, so that dequantization uses exactly the numbers quantiza
   ``2**bits`` levels: ``s = (max - min) / (2**bits - 1)``, ``z = min`` (the value of code 0),
   ``q = clamp(round((x - z) / s), 0, 2**bits - 1)``, ``x' = q * s + z``.
 
-With ``aligned_zero`` (INT4 / INT3 / INT2) the zero point is a whole number of steps, ``z = clamp(round(min / s),
--128, 127) * s`` (``s`` first grown to ``|min| / 128`` where a group sits that far from 0), so 0 is on the grid: the
-group's ends are no longer exact (each is off by at most ``s / 2`` and saturates), but the many values near 0 are
-read back closer. At INT2's four levels that pays: see ``CacheConfig.aligned_int2``.
-
 Rules: a scale is never below float16's smallest normal number (6.1e-5), which makes constant (zero-range)
 groups exact instead of a division by zero; non-finite input raises ``ValueError``; ``round`` is
 round-half-to-even (``torch.round``).
@@ -61,7 +56,6 @@ class QuantSpec:
         group_size: elements sharing a scale (tokens for ``channel``, channels for ``token``).
         clip: fraction of the observed range kept; values beyond it saturate. ``1.0`` keeps the full range.
         static: INT8 only; the scale comes from calibration (``absmax`` passed to :func:`quantize`).
-        aligned_zero: INT4 / INT3 / INT2 only; the zero point is a whole number of steps (module docstring).
     """
 
     precision: Precision
@@ -69,7 +63,6 @@ class QuantSpec:
     group_size: int = 32
     clip: float = 1.0
     static: bool = False
-    aligned_zero: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision.parse(self.precision))
@@ -85,8 +78,6 @@ class QuantSpec:
             raise ValueError(f"clip must be in (0, 1], got {self.clip}")
         if self.static and self.precision is not Precision.INT8:
             raise ValueError(f"static (calibrated) scales are for int8 only, got {self.precision.value}")
-        if self.aligned_zero and self.precision.symmetric:
-            raise ValueError(f"an aligned zero point is for the asymmetric tiers only, got {self.precision.value}")
 
     @property
     def levels(self) -> int:
@@ -280,19 +271,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, absmax: torch.Tensor | None = Non
         centre, half = (hi + lo) / 2, (hi - lo) / 2 * spec.clip
         lo, hi = centre - half, centre + half
     scale = _to_scale_dtype((hi - lo) / (spec.levels - 1), "scale").clamp(min=_MIN_SCALE)
-    if spec.aligned_zero:
-        scale, zero = _aligned(lo, scale)
-    else:
-        zero = _to_scale_dtype(lo, "zero point")
+    zero = _to_scale_dtype(lo, "zero point")
     q = torch.round((grouped - _expand(zero, spec).to(torch.float32)) / _expand(scale, spec).to(torch.float32))
     codes = torch.clamp(q, 0, spec.levels - 1).to(torch.uint8).reshape(x.shape)
     return QuantizedTensor(packing.pack(codes, bits), scale, zero, spec, tuple(x.shape))
-
-
-def _aligned(lo: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, zero)`` (float16) with the zero point a whole number of steps in ``[-128, 127]``: the scale grows
-    where ``|lo|`` is more than 128 steps from 0 (a group far from 0 and narrow), so the grid still reaches it."""
-    reach = torch.maximum(-lo / 128.0, lo / 127.0)
-    scale = torch.maximum(scale, _to_scale_dtype(reach, "scale"))
-    steps = torch.clamp(torch.round(lo / scale.to(torch.float32)), -128, 127)
-    return scale, _to_scale_dtype(steps * scale.to(torch.float32), "zero point")

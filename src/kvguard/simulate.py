@@ -65,19 +65,18 @@ def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tens
 
 def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axis, group_size: int,
                     clip: float, absmax: torch.Tensor | None = None, rot: torch.Tensor | None = None,
-                    codec: Codec | None = None, layer: int = 0, aligned: Callable[[Precision], bool] | None = None
-                    ) -> torch.Tensor:
+                    codec: Codec | None = None, layer: int = 0) -> torch.Tensor:
     """``x`` ``[B, H, T, D]`` with positions ``[start, end)`` replaced by their quantize-dequantize values,
     each KV head at its own precision (fp16 heads unchanged; int8 heads with the calibrated ``absmax``
     ``[H, D]`` when given; heads below INT8 through the rotation with the ``[H, D]`` signs ``rot`` when given, as the
-    cache stores them; ``aligned(precision)``: whether that tier puts 0 on its grid, ``CacheConfig.aligned``)."""
+    cache stores them)."""
     out = x.clone()
     if end <= start:
         return out
     for h, precision in enumerate(precisions):
         if precision.is_quantized:
             static = precision is Precision.INT8 and absmax is not None
-            spec = QuantSpec(precision, axis, group_size, clip, static, aligned is not None and aligned(precision))
+            spec = QuantSpec(precision, axis, group_size, clip, static)
             amax = absmax[h].view(1, 1, 1, -1) if static else None  # one scale per channel, shared by tokens
             part = x[:, h:h + 1, start:end]  # [B, 1, T', D]
             keys = axis is Axis.CHANNEL
@@ -91,14 +90,14 @@ def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axi
 
 
 def _key_step_variance(k_fp: torch.Tensor, precisions, start: int, end: int, group_size: int, clip: float,
-                       rot: torch.Tensor | None, aligned: Callable[[Precision], bool]) -> torch.Tensor:
+                       rot: torch.Tensor | None) -> torch.Tensor:
     """``[B, H, T, D]``: the rounding-noise variance of every key element positions ``[start, end)`` store, in the
     rotated basis where the keys are rotated; 0 where :func:`kvguard.score_bias.applies` says no correction."""
     var = torch.zeros_like(k_fp)
     for h, precision in enumerate(precisions):
         if end <= start or not precision.is_quantized:
             continue
-        spec = QuantSpec(precision, Axis.CHANNEL, group_size, clip, aligned_zero=aligned(precision))
+        spec = QuantSpec(precision, Axis.CHANNEL, group_size, clip)
         if not key_noise.applies(spec):
             continue
         part = k_fp[:, h:h + 1, start:end]  # [B, 1, T', D]
@@ -114,8 +113,7 @@ def _score_correction(query: torch.Tensor, k_fp: torch.Tensor, plan: Plan, layer
     it to keys read from their codes (``query`` times the score scaling; the caller masks it to those keys)."""
     lp = plan.layers[layer]
     rot = rotation.signs(k_fp.shape[-1], k_fp.shape[1], layer, k_fp.device) if lp.key_rotation else None
-    var = _key_step_variance(k_fp, lp.precision, plan.cache.sinks, end, plan.cache.group_size, lp.key_clip, rot,
-                             plan.cache.aligned)
+    var = _key_step_variance(k_fp, lp.precision, plan.cache.sinks, end, plan.cache.group_size, lp.key_clip, rot)
     rep = query.shape[1] // k_fp.shape[1]
     q = query if rot is None else rotation.rotate(query, rot.repeat_interleave(rep, dim=0))
     return -0.5 * (q.square() @ attention.expand_kv(var, rep).transpose(-1, -2))
@@ -146,9 +144,9 @@ class _SimulationHook:
         if lp.key_rotation or lp.value_rotation:
             rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
         k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax,
-                              rot if lp.key_rotation else None, self.codec, layer_idx, plan.cache.aligned)
+                              rot if lp.key_rotation else None, self.codec, layer_idx)
         v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, vg, lp.value_clip, v_absmax,
-                              rot if lp.value_rotation else None, self.codec, layer_idx, plan.cache.aligned)
+                              rot if lp.value_rotation else None, self.codec, layer_idx)
         rep = query.shape[1] // key.shape[1]
 
         q32 = query.to(torch.float32)

@@ -25,12 +25,3 @@ def test_registry_names_and_layouts():
     kivi = methods.get("kivi-4").plan(TINY)
     assert (kivi.cache.residual, kivi.cache.sinks, kivi.cache.group_size) == (128, 0, 32)
     assert not methods.get("hf-quanto-4").simulatable and methods.get("int4").simulatable
-
-
-def test_the_aligned_int2_modifiers_turn_it_on_and_off_and_change_nothing_else():
-    on, off = methods.get("int2+rotv+az").plan(TINY), methods.get("int2+rotv+az+noaz").plan(TINY)
-    assert on.cache.aligned_int2 and not off.cache.aligned_int2
-    assert off == methods.get("int2+rotv").plan(TINY) and on.layers == off.layers
-    assert "INT2 zero points on the grid" in methods.get("int2+az").description
-    with pytest.raises(ValueError, match=r"unknown modifier 'zero'.*az, noaz"):
-        methods.get("int2+zero")

@@ -7,8 +7,7 @@
   (:mod:`kvguard.rotation`) on keys and values / keys only / values only of every layer below INT8, e.g.
   ``int3+rotv`` or ``kvguard@0.25+rot``; ``<static method>+sb``: that plan with the softmax-bias correction of
   the quantized keys' scores (:mod:`kvguard.score_bias`), e.g. ``int2+sb``; ``+nosb``: without it (calibration
-  keeps it in the low-bit frontier plans where it measured a lower KL), e.g. ``kvguard@0.22+nosb``; ``+az`` /
-  ``+noaz``: with / without 0 on the INT2 grid (``CacheConfig.aligned_int2``), e.g. ``kvguard@0.24+az``.
+  keeps it in the low-bit frontier plans where it measured a lower KL), e.g. ``kvguard@0.22+nosb``.
 - ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
@@ -220,17 +219,15 @@ ROTATIONS = {"rot": (True, True), "rotk": (True, False), "rotv": (False, True)}
 # search keeps it in the frontier plans it helps), and what the method's description says.
 SCORE_CORRECTION = {"sb": (True, "softmax-bias correction of quantized keys' scores"),
                     "nosb": (False, "without the softmax-bias correction")}
-# ``+az`` / ``+noaz`` -> INT2 groups with / without 0 on their grid (CacheConfig.aligned_int2).
-ALIGNED_INT2 = {"az": (True, "INT2 zero points on the grid"), "noaz": (False, "INT2 zero points at the group minimum")}
-MODIFIERS = (*ROTATIONS, *SCORE_CORRECTION, *ALIGNED_INT2)
 
 
 def modified_method(name: str, profile=None) -> Method:
-    """``<static method>+rot|rotk|rotv|sb|nosb|az|noaz``: that method's plan with keys and/or values rotated, with
-    the softmax-bias correction on / off, or with INT2's zero points on the grid or not."""
+    """``<static method>+rot|rotk|rotv|sb|nosb``: that method's plan with keys and/or values rotated, or with the
+    softmax-bias correction on / off."""
     base_name, modifier = name.rsplit("+", 1)
-    if modifier not in MODIFIERS:
-        raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are [{', '.join(MODIFIERS)}]")
+    if modifier not in ROTATIONS and modifier not in SCORE_CORRECTION:
+        raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are "
+                         f"[{', '.join([*ROTATIONS, *SCORE_CORRECTION])}]")
     base = get(base_name, profile)
     if not base.simulatable:
         raise ValueError(f"{name!r}: +{modifier} applies to a static kvguard plan; {base_name!r} is not one")
@@ -238,10 +235,6 @@ def modified_method(name: str, profile=None) -> Method:
         on, what = SCORE_CORRECTION[modifier]
         return Method(name, f"{base.description}; {what}",
                       lambda arch: base.plan(arch).with_score_correction(on), scales=base.scales)
-    if modifier in ALIGNED_INT2:
-        on, what = ALIGNED_INT2[modifier]
-        return Method(name, f"{base.description}; {what}",
-                      lambda arch: base.plan(arch).with_aligned_int2(on), scales=base.scales)
     keys, values = ROTATIONS[modifier]
     side = {"rot": "keys and values", "rotk": "keys", "rotv": "values"}[modifier]
     return Method(name, f"{base.description}; Hadamard-rotated {side}",
@@ -271,7 +264,7 @@ def get(name: str, profile=None) -> Method:
     except KeyError:
         raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard, kvguard@<bytes>, "
                          f"kvguard-live, kvguard-live:<static method>, {', '.join(FP8_METHODS)}, "
-                         f"<static method>+{'|'.join(MODIFIERS)}]") from None
+                         f"<static method>+rot|rotk|rotv|sb|nosb]") from None
 
 
 def live_method(name: str, profile) -> Method:
