@@ -9,7 +9,7 @@ import torch
 from kvguard import models
 from kvguard.architecture import Architecture
 from kvguard.calibration.pipeline import calibrate
-from kvguard.calibration.search import LAYOUTS, low_bit_layout
+from kvguard.calibration.search import DEFAULT_LAYOUT, LAYOUTS, LOW_BIT_LAYOUTS, low_bit_layout
 from kvguard.evaluation import methods
 from kvguard.plan import Plan
 from kvguard.precision import Precision
@@ -49,6 +49,14 @@ def test_low_bit_layout_is_the_one_that_stores_int3_in_fewer_bytes():
         arch = Architecture.from_config(config)
         stored = {name: Plan.uniform(arch, "int3", LAYOUTS[name]).kv_bytes(config, 2048)[0] for name in (chosen, other)}
         assert stored[chosen] < stored[other]  # strictly fewer, not a tie broken by order
+
+
+def test_a_head_the_low_bit_groups_do_not_divide_keeps_the_default_layout():
+    from tests.helpers import tiny_llama
+
+    config = tiny_llama(hidden_size=192, num_attention_heads=2, num_key_value_heads=1, head_dim=96).config
+    assert all(96 % LAYOUTS[name].value_group for name in LOW_BIT_LAYOUTS)  # 64 does not divide 96
+    assert low_bit_layout(config, 512) == DEFAULT_LAYOUT
 
 
 def test_search_reaches_below_int4_with_int3_and_rotation(low_bit, smollm2_4_layers):

@@ -49,8 +49,8 @@ DEFAULT_LAYOUT = "window-64"
 # 16-token window with groups of 32 halves the window instead (tokens wait in it R + G/2 = 32 on average, not
 # 64), which is the larger share where sliding layers keep few tokens (Gemma 3: 512). Values take groups of 64
 # channels in both: they are quantized per token, so a wider value group thins the scales without keeping a token
-# longer at full precision (on Gemma 3's calibration text, values rotated, all-INT3: 5 % fewer bytes for 0-4 %
-# more KL; 128 channels cost 11-12 % more KL for another 3 %). The search uses the one that stores all-INT3 in
+# longer at full precision (on Gemma 3's calibration text, values rotated, all-INT3: 5 % fewer bytes for at most
+# 4 % more KL; 128 channels cost 11-12 % more KL for another 3 %). The search uses the one that stores all-INT3 in
 # fewer bytes at the calibration context (:func:`low_bit_layout`), the first on a tie, among those whose groups
 # divide the head dimension.
 LOW_BIT_LAYOUTS = ("window-32 group-64", "window-16 value-group-64")
@@ -155,7 +155,7 @@ class Searcher:
         todo.append((f"L1 all-int2 {DEFAULT_LAYOUT}", 1, Plan.uniform(self.arch, Precision.INT2, LAYOUTS[DEFAULT_LAYOUT])))
         if low_bit and self.rotatable:
             todo += [(f"L1 all-{tier.value}+rot {lname}", 1, Plan.uniform(self.arch, tier, LAYOUTS[lname]).with_rotation(True, True))
-                     for lname in (DEFAULT_LAYOUT, low) for tier in (Precision.INT3, Precision.INT2)]
+                     for lname in dict.fromkeys((DEFAULT_LAYOUT, low)) for tier in (Precision.INT3, Precision.INT2)]
         return self.evaluate_all(todo, "search level 1")
 
     @functools.cached_property
@@ -249,7 +249,7 @@ class Searcher:
         ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
         rotate = self.rotatable
         out, low = [], self.low_bit_layout
-        for lname in (DEFAULT_LAYOUT, low):
+        for lname in dict.fromkeys((DEFAULT_LAYOUT, low)):  # one layout where no low-bit one fits the head
             layout = LAYOUTS[lname]
             floor = float(self.layer_bytes(layout)[0][:, INT2].sum() / self.layer_bytes(layout)[1].sum())
             targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.005]
