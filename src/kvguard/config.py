@@ -27,7 +27,7 @@ class CacheConfig:
         value_group_size: channels per value scale when values group differently from keys (``None``: as
             ``group_size``). Values are quantized per token, so a wider group adds no full-precision tokens: it
             only thins the scales (with the values rotated, measured on Gemma 3's calibration text at INT3, 64
-            channels instead of 32 cost at most 4 % more KL for 5 % fewer bytes; ``docs/calibration.md``).
+            channels instead of 32 cost at most 4 % more KL for 5 % fewer bytes; ``benchmarks/README.md``).
         fp_dtype: storage dtype of full-precision parts (window, sinks, ``fp16`` tiers, recomputed overlay):
             ``float16`` (what a serving engine stores), ``bfloat16``, ``float32``, or ``model`` (the dtype
             the model computes in; bit-exact with ``DynamicCache``).

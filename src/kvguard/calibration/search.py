@@ -155,7 +155,7 @@ class Searcher:
         todo.append((f"L1 all-int2 {DEFAULT_LAYOUT}", 1, Plan.uniform(self.arch, Precision.INT2, LAYOUTS[DEFAULT_LAYOUT])))
         if low_bit and self.rotatable:
             todo += [(f"L1 all-{tier.value}+rot {lname}", 1, Plan.uniform(self.arch, tier, LAYOUTS[lname]).with_rotation(True, True))
-                     for lname in dict.fromkeys((DEFAULT_LAYOUT, low)) for tier in (Precision.INT3, Precision.INT2)]
+                     for lname in self.frontier_layouts for tier in (Precision.INT3, Precision.INT2)]
         return self.evaluate_all(todo, "search level 1")
 
     @functools.cached_property
@@ -163,6 +163,12 @@ class Searcher:
         """This model's low-bit layout at the calibration context (:func:`low_bit_layout`; worked out once: it
         builds a cache per candidate layout)."""
         return low_bit_layout(self.model.config, self.context)
+
+    @property
+    def frontier_layouts(self) -> tuple[str, ...]:
+        """The layouts the low-bit frontier is searched in: the default and the low-bit one, once each (they are
+        the same where no low-bit layout fits the head)."""
+        return tuple(dict.fromkeys((DEFAULT_LAYOUT, self.low_bit_layout)))
 
     @property
     def rotatable(self) -> bool:
@@ -249,7 +255,7 @@ class Searcher:
         ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
         rotate = self.rotatable
         out, low = [], self.low_bit_layout
-        for lname in dict.fromkeys((DEFAULT_LAYOUT, low)):  # one layout where no low-bit one fits the head
+        for lname in self.frontier_layouts:
             layout = LAYOUTS[lname]
             floor = float(self.layer_bytes(layout)[0][:, INT2].sum() / self.layer_bytes(layout)[1].sum())
             targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.005]
