@@ -21,14 +21,15 @@ def feed(layer: KVGuardLayer, keys: torch.Tensor, values: torch.Tensor, chunk: i
         layer.update(keys[..., start:start + chunk, :], values[..., start:start + chunk, :])
 
 
-def expected_layout(keys, values, cfg, precision="int4"):
-    """Reference: sinks exact, whole groups past the window quantized per block, window exact."""
+def expected_layout(keys, values, cfg, precision="int4", value_precision=None):
+    """Reference: sinks exact, whole groups past the window quantized per block, window exact (values at
+    ``value_precision`` when given)."""
     n = keys.shape[-2]
     quantized = (n - cfg.sinks - cfg.residual) // cfg.group_size * cfg.group_size
     start, end = cfg.sinks, cfg.sinks + max(quantized, 0)
     k, v = keys.clone(), values.clone()
     if end > start:
-        ks, vs = QuantSpec(precision, Axis.CHANNEL, cfg.group_size), QuantSpec(precision, Axis.TOKEN, cfg.value_group)
+        ks, vs = QuantSpec(precision, Axis.CHANNEL, cfg.group_size), QuantSpec(value_precision or precision, Axis.TOKEN, cfg.value_group)
         for g0 in range(start, end, cfg.group_size):
             sl = slice(g0, g0 + cfg.group_size)
             k[..., sl, :] = quantize(keys[..., sl, :], ks).dequantize()
@@ -67,6 +68,30 @@ def test_values_take_their_own_group_and_only_the_scales_thin():
     # One float16 scale and zero per token instead of four: 2 * 2 * (4 - 1) bytes per head and token fewer.
     assert narrow.nbytes() - layer.nbytes() == B * H * (q_end - 2) * 12
     assert not torch.equal(got_v, narrow.materialize(torch.float32)[1])
+
+
+def test_values_below_their_keys_tier_are_stored_at_it_and_follow_the_keys():
+    """``set_value_drop``: per head, values 1 / 2 / 0 tiers below INT4 keys (INT3 / INT2 / INT4), each head as the
+    slow reference stores it, in fewer bytes; raising the keys to INT8 raises the values with them."""
+    keys, values = kv(50, 4)
+    layer, same = KVGuardLayer("int4", CFG), KVGuardLayer("int4", CFG)
+    layer.set_value_drop((1, 2, 0))
+    feed(layer, keys, values, 3)
+    feed(same, keys, values, 3)
+    got_k, got_v = layer.materialize(torch.float32)
+    for h, tier in enumerate(("int3", "int2", "int4")):
+        exp_k, exp_v, _ = expected_layout(keys[:, h:h + 1], values[:, h:h + 1], CFG, "int4", tier)
+        torch.testing.assert_close(got_k[:, h:h + 1], exp_k, atol=0, rtol=0)
+        torch.testing.assert_close(got_v[:, h:h + 1], exp_v, atol=0, rtol=0)
+    assert layer.nbytes() < same.nbytes()
+    promoted = KVGuardLayer("int4", CFG)
+    promoted.set_value_drop((1, 2, 0))
+    promoted.set_precision("int8")  # INT8 keys keep their values at INT8
+    feed(promoted, keys, values, 3)
+    _, exp_v, _ = expected_layout(keys, values, CFG, "int8")
+    torch.testing.assert_close(promoted.materialize(torch.float32)[1], exp_v, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="3 KV heads but 2 value drops"):
+        promoted.set_value_drop((1, 1))
 
 
 def test_the_value_group_round_trips_defaults_to_the_group_and_is_checked():

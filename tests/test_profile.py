@@ -13,11 +13,26 @@ from tests.helpers import ZERO_FINGERPRINT, profile_meta
 
 
 def _profile(fingerprint=ZERO_FINGERPRINT) -> Profile:
-    plan = Plan((LayerPlan(("int4", "int8")), LayerPlan(("int2", "fp16"), key_clip=0.9)))
+    plan = Plan((LayerPlan(("int4", "int8"), value_drop=(2, 0)), LayerPlan(("int2", "fp16"), key_clip=0.9)))
     meta = profile_meta(plan, fingerprint=fingerprint, monitor=MonitorConfig())
     tensors = {"calibrated.key.absmax": torch.rand(2, 2, 4) + 0.1, "calibrated.value.absmax": torch.rand(2, 2, 4) + 0.1,
                **EntropyBaseline(*(torch.rand(2, 4, 3) for _ in range(3)), torch.rand(2, 4)).tensors()}
     return Profile(meta, tensors)
+
+
+def test_values_below_their_keys_are_normalized_and_checked():
+    lp = LayerPlan(("int4", "int3", "int8", "int2"), value_drop=(1, 2, 1, 1))
+    # INT8 keys keep INT8 values and INT2 has nothing below it: those drops are 0, so equal plans compare equal.
+    assert lp.value_drop == (1, 2, 0, 0)
+    assert [p.value for p in lp.value_precision] == ["int3", "int2", "int8", "int2"]
+    assert LayerPlan(("int8", "int2"), value_drop=(2, 1)) == LayerPlan(("int8", "int2"))
+    plan = Plan((lp,))
+    assert Plan.from_dict(plan.to_dict()) == plan and plan.to_dict()["layers"][0]["value_drop"] == [1, 2, 0, 0]
+    assert "v:int3/int2/int8/int2" in plan.summary()
+    with pytest.raises(ValueError, match="value_drop has 1 entries, the layer has 2 KV heads"):
+        LayerPlan(("int4", "int4"), value_drop=(1,))
+    with pytest.raises(ValueError, match=r"value_drop entries must be in \[0, 2\]"):
+        LayerPlan(("int4",), value_drop=(3,))
 
 
 def test_round_trip(tmp_path):

@@ -23,28 +23,35 @@ def test_switch_points_follow_the_window():
     assert switch.tolist() == [15, 15, 9, 9, 9, 12, 12, 12, 15, 15, 15, 15, 15, 15, 15]
 
 
-def _mixed_plan(arch: Architecture, cfg: CacheConfig, tiers: tuple[str, ...], rotate: bool) -> Plan:
-    """The ``tiers`` cycled over layers and heads, clipped keys; ``rotate``: rotated keys / values on some layers."""
+def _mixed_plan(arch: Architecture, cfg: CacheConfig, tiers: tuple[str, ...], rotate: bool,
+                drop: bool = False) -> Plan:
+    """The ``tiers`` cycled over layers and heads, clipped keys; ``rotate``: rotated keys / values on some layers;
+    ``drop``: values 0, 1 or 2 tiers below their keys, cycled over layers and heads."""
     layers = tuple(
         LayerPlan(tuple(tiers[(i + h) % len(tiers)] for h in range(arch.num_kv_heads)),
                   key_clip=0.95 if i % 3 == 0 else 1.0, key_rotation=rotate and i % 2 == 1,
-                  value_rotation=rotate and i % 3 == 1)
+                  value_rotation=rotate and i % 3 == 1,
+                  value_drop=tuple((i + 2 * h) % 3 for h in range(arch.num_kv_heads)) if drop else ())
         for i in range(arch.num_layers)
     )
     return Plan(layers, cfg)
 
 
-@pytest.mark.parametrize("model_name, tiers, rotate, value_group", [
-    # every tier, rotated and not, values scaled per 32 channels while keys group 16 tokens, in one stream
-    ("smollm2", ("int2", "int3", "int4", "int8", "fp16"), True, 32),
-    ("gemma3_6_layers", ("int2", "int4", "int8", "fp16"), False, None)], ids=["smollm2-every-tier", "gemma3_6_layers"])
-def test_simulation_matches_chunk1_streaming(model_name, tiers, rotate, value_group, request):
+@pytest.mark.parametrize("model_name, tiers, rotate, value_group, drop", [
+    # every tier, rotated and not, values scaled per 32 channels while keys group 16 tokens, values below their
+    # keys' tier on some heads, in one stream
+    ("smollm2", ("int2", "int3", "int4", "int8", "fp16"), True, 32, True),
+    ("gemma3_6_layers", ("int2", "int4", "int8", "fp16"), False, None, False)], ids=["smollm2-every-tier", "gemma3_6_layers"])
+def test_simulation_matches_chunk1_streaming(model_name, tiers, rotate, value_group, drop, request):
     model, tok = request.getfixturevalue(model_name)
     arch = Architecture.from_config(model.config)
     tokens = 300
     # A small window and group so most tokens switch from full precision to quantized during the stream;
     # Gemma 3 (6 layers, a 128-token window) runs past its sliding window.
-    plan = _mixed_plan(arch, CacheConfig(residual=16, sinks=4, group_size=16, value_group_size=value_group), tiers, rotate)
+    cfg = CacheConfig(residual=16, sinks=4, group_size=16, value_group_size=value_group)
+    plan = _mixed_plan(arch, cfg, tiers, rotate, drop)
+    if drop:  # the plan does store some values below their keys
+        assert any(v != k for lp in plan.layers for k, v in zip(lp.precision, lp.value_precision))
     ids = data.token_stream("prose", "eval", tok, tokens)
     streamed = score_stream(model, ids, plan.make_cache(model.config), chunk=1, keep_logits=True)
     simulated = score_simulated(model, ids, plan, keep_logits=True)

@@ -122,6 +122,7 @@ class KVGuardLayer(CacheLayerMixin):
         self.key_absmax: torch.Tensor | None = None
         self.value_absmax: torch.Tensor | None = None
         self.key_rotation = self.value_rotation = False  # Hadamard-rotate heads below INT8 before quantizing
+        self.value_drop: tuple[int, ...] = ()  # per head, values this many tiers below the keys (empty: none)
         self.num_heads: int | None = None  # known at the first update
         # Error evidence for the run-time monitor (off unless it asks: it costs a decode per stored group).
         self.track_error = False
@@ -160,6 +161,8 @@ class KVGuardLayer(CacheLayerMixin):
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         self.fp_dtype = self.config.storage_dtype(key_states.dtype)
         self._check_heads(self._requested)
+        if self.value_drop and len(self.value_drop) != self.num_heads:
+            raise ValueError(f"layer {self.layer_idx} has {self.num_heads} KV heads but {len(self.value_drop)} value drops were given")
         empty = key_states.new_zeros((self.batch_size, self.num_heads, 0, self.head_dim), dtype=self.fp_dtype)
         self._sinks_k = self._sinks_v = self._win_k = self._win_v = empty
         self.is_initialized = True
@@ -207,6 +210,17 @@ class KVGuardLayer(CacheLayerMixin):
         """Rotate keys / values of heads stored below INT8 from now on (see :mod:`kvguard.rotation`)."""
         self.key_rotation, self.value_rotation = bool(keys), bool(values)
 
+    def set_value_drop(self, drop: Sequence[int] = ()) -> None:
+        """Store the values of each head ``drop[h]`` tiers below its keys from now on (heads whose keys are
+        below INT8; :meth:`Precision.below`); ``()`` stores both at the keys' tier. The drop stays when
+        :meth:`set_precision` moves the keys: the values move with them."""
+        drop = tuple(int(d) for d in drop)
+        if any(d < 0 for d in drop):
+            raise ValueError(f"value drops must be >= 0, got {list(drop)}")
+        if drop and self.num_heads is not None and len(drop) != self.num_heads:
+            raise ValueError(f"layer {self.layer_idx} has {self.num_heads} KV heads but {len(drop)} value drops were given")
+        self.value_drop = drop if any(drop) else ()
+
     def set_static_scales(self, key_absmax: torch.Tensor | None, value_absmax: torch.Tensor | None) -> None:
         """Calibrated INT8 ``absmax`` per KV head and channel (``[H_kv, D]``), used by ``int8`` heads."""
         for t in (key_absmax, value_absmax):
@@ -216,13 +230,14 @@ class KVGuardLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ layout
     def _layout(self) -> tuple[_PartLayout, ...]:
-        """How tokens quantized now are stored: heads grouped by precision."""
+        """How tokens quantized now are stored: heads grouped by their key and value precisions."""
         g = self.config.group_size
-        groups: dict[Precision, list[int]] = {}
-        for h, p in enumerate(self.head_precisions):
-            groups.setdefault(p, []).append(h)
+        groups: dict[tuple[Precision, Precision], list[int]] = {}
+        drops = self.value_drop or (0,) * len(self.head_precisions)
+        for h, (p, d) in enumerate(zip(self.head_precisions, drops)):
+            groups.setdefault((p, p.below(d)), []).append(h)
         layout = []
-        for precision, heads in groups.items():
+        for (precision, value_precision), heads in groups.items():
             if not precision.is_quantized:
                 layout.append(_PartLayout(tuple(heads), precision, None, None))
                 continue
@@ -233,7 +248,7 @@ class KVGuardLayer(CacheLayerMixin):
                     tuple(heads),
                     precision,
                     QuantSpec(precision, Axis.CHANNEL, g, self.key_clip, static and self.key_absmax is not None),
-                    QuantSpec(precision, Axis.TOKEN, self.config.value_group, self.value_clip,
+                    QuantSpec(value_precision, Axis.TOKEN, self.config.value_group, self.value_clip,
                               static and self.value_absmax is not None),
                     low and self.key_rotation,
                     low and self.value_rotation,

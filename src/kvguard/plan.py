@@ -15,16 +15,23 @@ from kvguard.architecture import Architecture
 from kvguard.precision import Precision
 
 
+MAX_VALUE_DROP = 2  # INT4 keys with INT2 values; lower than that is where keys are INT2 anyway
+
+
 @dataclass(frozen=True)
 class LayerPlan:
-    """One layer: a precision per KV head, the clipping ratios of its quantization ranges, and whether its
-    keys / values are Hadamard-rotated before quantization (heads below INT8 only; :mod:`kvguard.rotation`)."""
+    """One layer: a precision per KV head, the clipping ratios of its quantization ranges, whether its
+    keys / values are Hadamard-rotated before quantization (heads below INT8 only; :mod:`kvguard.rotation`),
+    and per head how many tiers below its keys the values are stored (``value_drop``; heads below INT8 only,
+    see :meth:`Precision.below`: ``(1,)`` on an INT3 head stores INT3 keys and INT2 values). ``precision`` is
+    the keys' tier, the one the run-time loop raises and lowers; the values follow it at the same distance."""
 
     precision: tuple[Precision, ...]
     key_clip: float = 1.0
     value_clip: float = 1.0
     key_rotation: bool = False
     value_rotation: bool = False
+    value_drop: tuple[int, ...] = ()  # empty: values at the keys' tier on every head
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", tuple(Precision.parse(p) for p in self.precision))
@@ -33,11 +40,32 @@ class LayerPlan:
         for name in ("key_clip", "value_clip"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        object.__setattr__(self, "value_drop", _normalized_drop(self.precision, self.value_drop))
 
     @property
     def uniform(self) -> Precision | None:
         """The layer's precision when all heads share it, else ``None``."""
         return self.precision[0] if len(set(self.precision)) == 1 else None
+
+    @property
+    def value_precision(self) -> tuple[Precision, ...]:
+        """The tier each KV head stores its values in."""
+        drops = self.value_drop or (0,) * len(self.precision)
+        return tuple(p.below(d) for p, d in zip(self.precision, drops))
+
+
+def _normalized_drop(precision: tuple[Precision, ...], drop) -> tuple[int, ...]:
+    """``drop`` checked against the heads, with the drops that change nothing (keys at INT8 / FP16 or already at
+    INT2) set to 0, and ``()`` when none is left: two plans that store the same thing compare equal."""
+    drop = tuple(int(d) for d in drop)
+    if not drop:
+        return ()
+    if len(drop) != len(precision):
+        raise ValueError(f"value_drop has {len(drop)} entries, the layer has {len(precision)} KV heads")
+    if any(not 0 <= d <= MAX_VALUE_DROP for d in drop):
+        raise ValueError(f"value_drop entries must be in [0, {MAX_VALUE_DROP}], got {list(drop)}")
+    drop = tuple(d if p.below(d) is not p else 0 for p, d in zip(precision, drop))
+    return drop if any(drop) else ()
 
 
 @dataclass(frozen=True)
@@ -101,6 +129,7 @@ class Plan:
         lp = self.layers[index]
         layer.set_clip(lp.key_clip, lp.value_clip)
         layer.set_rotation(lp.key_rotation, lp.value_rotation)
+        layer.set_value_drop(lp.value_drop)
         if scales is not None:
             layer.set_static_scales(scales.key_absmax[index], scales.value_absmax[index])
 
@@ -144,6 +173,12 @@ class Plan:
         layers = tuple(replace(lp, key_rotation=keys, value_rotation=values) for lp in self.layers)
         return Plan(layers, self.cache)
 
+    def with_value_drop(self, drop: int) -> "Plan":
+        """This plan with every head's values stored ``drop`` tiers below its keys (where the keys are below
+        INT8; see :class:`LayerPlan`)."""
+        layers = tuple(replace(lp, value_drop=(drop,) * len(lp.precision)) for lp in self.layers)
+        return Plan(layers, self.cache)
+
     def with_score_correction(self, on: bool = True) -> "Plan":
         """This plan with the softmax-bias correction of quantized keys' scores on or off
         (``CacheConfig.score_correction``)."""
@@ -157,20 +192,25 @@ class Plan:
 
     def summary(self) -> str:
         """One token per layer: its tier, or the per-head tiers joined by ``/``; ``c`` marks a key clip < 1,
-        ``rk`` / ``rv`` rotated keys / values."""
+        ``rk`` / ``rv`` rotated keys / values, ``v:`` the values' tiers where they are stored lower."""
         out = []
         for i, lp in enumerate(self.layers):
             tiers = lp.uniform.value if lp.uniform else "/".join(p.value for p in lp.precision)
             marks = (f"c{lp.key_clip:g}" if lp.key_clip < 1 else "") + ("rk" if lp.key_rotation else "")
-            out.append(f"{i}:{tiers}" + marks + ("rv" if lp.value_rotation else ""))
+            marks += "rv" if lp.value_rotation else ""
+            if lp.value_drop:
+                marks += "v:" + "/".join(p.value for p in lp.value_precision)
+            out.append(f"{i}:{tiers}" + marks)
         return " ".join(out)
 
     def precision_counts(self) -> dict[str, int]:
-        """How many KV heads (over all layers) each precision holds."""
+        """How many KV heads (over all layers) each precision holds: ``int3``, or ``int3/int2`` for INT3 keys over
+        INT2 values."""
         counts: dict[str, int] = {}
         for lp in self.layers:
-            for p in lp.precision:
-                counts[p.value] = counts.get(p.value, 0) + 1
+            for k, v in zip(lp.precision, lp.value_precision):
+                name = k.value if k is v else f"{k.value}/{v.value}"
+                counts[name] = counts.get(name, 0) + 1
         return counts
 
     def to_dict(self) -> dict:
@@ -183,7 +223,8 @@ class Plan:
     def from_dict(cls, data: dict) -> "Plan":
         layers = tuple(
             LayerPlan(tuple(entry["precision"]), entry.get("key_clip", 1.0), entry.get("value_clip", 1.0),
-                      bool(entry.get("key_rotation", False)), bool(entry.get("value_rotation", False)))
+                      bool(entry.get("key_rotation", False)), bool(entry.get("value_rotation", False)),
+                      tuple(entry.get("value_drop", ())))
             for entry in data["layers"]
         )
         return cls(layers, CacheConfig.from_dict(data.get("cache", {})))
@@ -196,4 +237,6 @@ def _layer_dict(lp: LayerPlan) -> dict:
         out["key_rotation"] = True
     if lp.value_rotation:
         out["value_rotation"] = True
+    if lp.value_drop:
+        out["value_drop"] = list(lp.value_drop)
     return out

@@ -55,5 +55,15 @@ class Precision(str, Enum):
         order = _ORDER
         return order[max(order.index(self) - 1, 0)]
 
+    def below(self, tiers: int) -> "Precision":
+        """The tier a head's *values* take when they are stored ``tiers`` steps more aggressive than its keys at
+        this tier: INT4 -> INT3 -> INT2, never below INT2. INT8 and FP16 keys keep their values at their own
+        tier (a plan only lets the values go lower where the keys are below 8 bits)."""
+        if tiers < 0:
+            raise ValueError(f"a value tier drop must be >= 0, got {tiers}")
+        if self.bits >= 8:
+            return self
+        return _ORDER[max(_ORDER.index(self) - tiers, 0)]
+
 
 _ORDER = [Precision.INT2, Precision.INT3, Precision.INT4, Precision.INT8, Precision.FP16]

@@ -145,7 +145,7 @@ class _SimulationHook:
             rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
         k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax,
                               rot if lp.key_rotation else None, self.codec, layer_idx)
-        v_q = _quantized_copy(v_fp, lp.precision, s, end, Axis.TOKEN, vg, lp.value_clip, v_absmax,
+        v_q = _quantized_copy(v_fp, lp.value_precision, s, end, Axis.TOKEN, vg, lp.value_clip, v_absmax,
                               rot if lp.value_rotation else None, self.codec, layer_idx)
         rep = query.shape[1] // key.shape[1]
 

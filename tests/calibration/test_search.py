@@ -12,7 +12,8 @@ from kvguard.plan import Plan
 from kvguard.precision import Precision
 from kvguard.profile import Candidate, PlanScore
 from kvguard.calibration.latency import TIERS, LatencyModel
-from kvguard.calibration.search import INT2, INT3, Searcher, best, pareto_front
+from kvguard.calibration.search import INT2, INT3, LAYOUTS, OPTIONS, SIDE_OPTIONS, Searcher, best, pareto_front
+from kvguard.evaluation.methods import static_kv_bytes
 from kvguard.calibration.sensitivity import Sensitivity
 
 
@@ -139,3 +140,36 @@ def test_low_bit_allocation_uses_int3_and_rotates_only_low_bit_layers(smollm2):
         return sum(float(costs[i, h, TIERS.index(p)]) for i, lp in enumerate(plan.layers) for h, p in enumerate(lp.precision))
 
     assert predicted(with_int3) < predicted(without)
+
+
+@pytest.mark.slow
+def test_values_go_below_their_keys_where_the_side_ratios_price_it(smollm2):
+    model, _ = smollm2
+    arch = Architecture.from_config(model.config)
+    searcher = Searcher(model, SimpleNamespace(arch=arch), Objective(), LatencyModel({}, 0), context=512, progress=False)
+    alone = torch.linspace(0.001, 0.2, arch.num_layers)
+    sens = _sens(arch, alone, torch.stack([alone * 0.5, alone * 1.5], 1))
+    layout = LAYOUTS["window-32 group-64"]
+    table, ref = searcher.layer_bytes(layout)
+    assert table.shape[1] == len(OPTIONS)
+    int2, int4 = (float(table[:, j].sum() / ref.sum()) for j in (INT2, TIERS.index(Precision.INT4)))
+    target = (int2 + int4) / 2
+    # Values far cheaper than keys: INT4 keys over INT3 / INT2 values, INT3 keys over INT2 values.
+    costs = searcher.unit_costs(sens, 1e-5, int3_ratio=0.2, rotated=True, side_ratios=(0.01, 0.04, 0.25))
+    assert costs.shape[-1] == len(OPTIONS)
+    k4v3, k4v2, k3v2 = (costs[..., OPTIONS.index(o)] for o in SIDE_OPTIONS)
+    # An option never predicts less error than one that keeps more bits on both sides.
+    assert bool((k4v3 >= costs[..., TIERS.index(Precision.INT4)]).all() and (k4v2 >= k4v3).all())
+    assert bool((k3v2 >= costs[..., INT3]).all() and (k3v2 >= k4v2).all())
+    sided = searcher.allocate(costs, layout, target, sens.rotation())
+    same = searcher.allocate(costs[..., :len(TIERS)], layout, target, sens.rotation())
+    assert any(lp.value_drop for lp in sided.layers) and not any(lp.value_drop for lp in same.layers)
+    # The plan's real cache keeps to the target, and the side options buy a lower predicted error within it.
+    stored, fp16 = static_kv_bytes(sided, model.config, 512)
+    assert stored / fp16 <= target + 1e-3
+
+    def predicted(plan):
+        return sum(float(costs[i, h, OPTIONS.index((p, (lp.value_drop or (0,) * len(lp.precision))[h]))])
+                   for i, lp in enumerate(plan.layers) for h, p in enumerate(lp.precision))
+
+    assert predicted(sided) < predicted(same)
