@@ -3,12 +3,13 @@ import torch
 
 from kvguard.evaluation import methods
 from kvguard.architecture import Architecture
+from kvguard.precision import Precision
 
 TINY = Architecture("llama", num_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=32,
                     layer_types=("sliding_attention", "full_attention"), sliding_window=48)
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int2", "kivi-4", "kivi-2"])
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int2", "kivi-4", "kivi-2", "int4+rot+v1"])
 def test_static_bytes_equal_the_bytes_after_decoding_token_by_token(name):
     plan = methods.get(name).plan(TINY)
     cache = plan.make_cache(TINY)
@@ -25,3 +26,15 @@ def test_registry_names_and_layouts():
     kivi = methods.get("kivi-4").plan(TINY)
     assert (kivi.cache.residual, kivi.cache.sinks, kivi.cache.group_size) == (128, 0, 32)
     assert not methods.get("hf-quanto-4").simulatable and methods.get("int4").simulatable
+
+
+def test_value_modifiers_store_the_values_below_their_keys():
+    sided = methods.get("int4+v2").plan(TINY)
+    assert all(lp.value_precision == (Precision.INT2,) * 2 and lp.precision == (Precision.INT4,) * 2
+               for lp in sided.layers)
+    assert methods.get("int4+v2+v0").plan(TINY) == methods.get("int4").plan(TINY)
+    assert methods.get("int8+v1").plan(TINY) == methods.get("int8").plan(TINY)  # INT8 keys keep INT8 values
+    stored, _ = methods.static_kv_bytes(sided, TINY, 203)
+    assert stored < methods.static_kv_bytes(methods.get("int4").plan(TINY), TINY, 203)[0]
+    with pytest.raises(ValueError, match="unknown modifier 'v3'"):
+        methods.get("int4+v3")

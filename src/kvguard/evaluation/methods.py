@@ -7,7 +7,10 @@
   (:mod:`kvguard.rotation`) on keys and values / keys only / values only of every layer below INT8, e.g.
   ``int3+rotv`` or ``kvguard@0.25+rot``; ``<static method>+sb``: that plan with the softmax-bias correction of
   the quantized keys' scores (:mod:`kvguard.score_bias`), e.g. ``int2+sb``; ``+nosb``: without it (calibration
-  keeps it in the low-bit frontier plans where it measured a lower KL), e.g. ``kvguard@0.22+nosb``.
+  keeps it in the low-bit frontier plans where it measured a lower KL), e.g. ``kvguard@0.22+nosb``;
+  ``<static method>+v1`` / ``+v2``: that plan with every head's values stored one / two tiers below its keys
+  (heads below INT8, never below INT2), e.g. ``int4+rot+v1`` (INT4 keys, INT3 values); ``+v0``: values at their
+  keys' tier, e.g. ``kvguard@0.24+v0`` (the calibrated plan without the values it stores lower).
 - ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
@@ -219,15 +222,17 @@ ROTATIONS = {"rot": (True, True), "rotk": (True, False), "rotv": (False, True)}
 # search keeps it in the frontier plans it helps), and what the method's description says.
 SCORE_CORRECTION = {"sb": (True, "softmax-bias correction of quantized keys' scores"),
                     "nosb": (False, "without the softmax-bias correction")}
+# ``+v<n>`` -> every head's values stored n tiers below its keys (LayerPlan.value_drop).
+VALUE_DROPS = {"v0": 0, "v1": 1, "v2": 2}
+MODIFIERS = (*ROTATIONS, *SCORE_CORRECTION, *VALUE_DROPS)
 
 
 def modified_method(name: str, profile=None) -> Method:
-    """``<static method>+rot|rotk|rotv|sb|nosb``: that method's plan with keys and/or values rotated, or with the
-    softmax-bias correction on / off."""
+    """``<static method>+rot|rotk|rotv|sb|nosb|v0|v1|v2``: that method's plan with keys and/or values rotated,
+    with the softmax-bias correction on / off, or with its values stored below their keys' tier."""
     base_name, modifier = name.rsplit("+", 1)
-    if modifier not in ROTATIONS and modifier not in SCORE_CORRECTION:
-        raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are "
-                         f"[{', '.join([*ROTATIONS, *SCORE_CORRECTION])}]")
+    if modifier not in MODIFIERS:
+        raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are [{', '.join(MODIFIERS)}]")
     base = get(base_name, profile)
     if not base.simulatable:
         raise ValueError(f"{name!r}: +{modifier} applies to a static kvguard plan; {base_name!r} is not one")
@@ -235,6 +240,11 @@ def modified_method(name: str, profile=None) -> Method:
         on, what = SCORE_CORRECTION[modifier]
         return Method(name, f"{base.description}; {what}",
                       lambda arch: base.plan(arch).with_score_correction(on), scales=base.scales)
+    if modifier in VALUE_DROPS:
+        drop = VALUE_DROPS[modifier]
+        what = "values at their keys' tier" if not drop else f"values {drop} tier{'s' * (drop > 1)} below their keys'"
+        return Method(name, f"{base.description}; {what}", lambda arch: base.plan(arch).with_value_drop(drop),
+                      scales=base.scales)
     keys, values = ROTATIONS[modifier]
     side = {"rot": "keys and values", "rotk": "keys", "rotv": "values"}[modifier]
     return Method(name, f"{base.description}; Hadamard-rotated {side}",
@@ -264,7 +274,7 @@ def get(name: str, profile=None) -> Method:
     except KeyError:
         raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard, kvguard@<bytes>, "
                          f"kvguard-live, kvguard-live:<static method>, {', '.join(FP8_METHODS)}, "
-                         f"<static method>+rot|rotk|rotv|sb|nosb]") from None
+                         f"<static method>+{'|'.join(MODIFIERS)}]") from None
 
 
 def live_method(name: str, profile) -> Method:

@@ -1,0 +1,109 @@
+"""Keys and values at their own widths: every layer at one keys / values pair, measured on its own.
+
+    .venv/bin/python benchmarks/side_widths.py --model gemma3-270m --split calib --corpus prose,code \
+        --pairs int3/int3,int3/int2,int2/int3,int2/int2,int4/int3,int4/int2,int3/int4 [--json F]
+
+Each pair is a uniform plan in the model's low-bit layout (``kvguard.calibration.search.low_bit_layout`` at the
+stream's length) with both sides Hadamard-rotated, scored by the exact chunk-1 simulation against the model's
+FP16 cache: KL, perplexity change, and the bytes the plan stores over FP16's. ``int3/int2`` stores INT3 keys and
+INT2 values (``LayerPlan.value_drop``); a pair whose values are *above* their keys (``int2/int3``) is measured
+through the simulation's codec, since plans only store values at or below their keys' tier, and its bytes are
+the mean of the two uniform plans' (codes are the only bytes that differ between the tiers of one layout).
+The calibration split is what chose the search's options; ``--split eval`` measures them on evaluation text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+
+import torch
+
+
+def _drop(keys, values) -> int | None:
+    """How many tiers below ``keys`` the ``values`` are, or ``None`` when they are above them."""
+    return next((d for d in range(3) if keys.below(d) is values), None)
+
+
+def _codec(values):
+    """A simulation codec that stores the values at ``values`` and the keys as their spec says."""
+    from kvguard.quantizer import quantize
+
+    def codec(x, spec, layer, keys):
+        spec = spec if keys else replace(spec, precision=values)
+        return quantize(x, spec).dequantize(torch.float32)
+
+    return codec
+
+
+def _row(model, ids, pair, layout, reference, ref_nll) -> dict:
+    from kvguard.architecture import Architecture
+    from kvguard.evaluation import methods
+    from kvguard.evaluation.scoring import score_logits
+    from kvguard.plan import Plan
+    from kvguard.precision import Precision
+    from kvguard.simulate import simulate_logits
+
+    arch = Architecture.from_config(model.config)
+    keys, values = (Precision.parse(p) for p in pair.split("/"))
+    drop = _drop(keys, values)
+    tokens = ids.numel() - 1
+
+    def uniform(tier, d=0):
+        return Plan.uniform(arch, tier, layout).with_rotation(True, True).with_value_drop(d)
+
+    if drop is not None:
+        plan, codec = uniform(keys, drop), None
+        stored, fp16 = methods.static_kv_bytes(plan, model.config, tokens)
+    else:  # values above their keys: only through the codec
+        plan, codec = uniform(keys), _codec(values)
+        (k_bytes, fp16), (v_bytes, _) = (methods.static_kv_bytes(uniform(t), model.config, tokens) for t in (keys, values))
+        stored = (k_bytes + v_bytes) / 2
+    score = score_logits(ids, [simulate_logits(model, ids[:-1], plan, codec=codec)], reference=reference)
+    return {"pair": pair, "bytes_ratio": stored / fp16, "kl": score.kl,
+            "ppl_delta_pct": 100.0 * (math.exp(score.nll - ref_nll) - 1.0), "top1_agree": score.top1_agree}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvguard import data, models
+    from kvguard.architecture import Architecture
+    from kvguard.calibration.search import LAYOUTS, low_bit_layout
+    from kvguard.evaluation.scoring import score_simulated
+    from kvguard.plan import Plan
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--split", default="calib", choices=("calib", "eval"))
+    p.add_argument("--corpus", default="prose,code")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--pairs", default="int3/int3,int3/int2,int2/int3,int2/int2,int4/int3,int4/int2,int3/int4")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    model, tok = models.load(args.model)
+    arch = Architecture.from_config(model.config)
+    layout_name = low_bit_layout(model.config, args.tokens)
+    print(f"{args.model}: layout {layout_name}, {args.split} split, {args.tokens} tokens", flush=True)
+    rows = []
+    for corpus in args.corpus.split(","):
+        ids = data.token_stream(corpus, args.split, tok, args.tokens)
+        fp = score_simulated(model, ids, Plan.uniform(arch, "fp16"), keep_logits=True)
+        reference = torch.log_softmax(fp.logits, dim=-1)
+        for pair in args.pairs.split(","):
+            row = {"corpus": corpus, **_row(model, ids, pair, LAYOUTS[layout_name], reference, fp.nll)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| corpus | keys / values | bytes / FP16 | KL | ppl change |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['corpus']} | {r['pair']} | {r['bytes_ratio']:.3f} | {r['kl']:.5f} | {r['ppl_delta_pct']:+.2f} % |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "split": args.split, "tokens": args.tokens, "layout": layout_name,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
