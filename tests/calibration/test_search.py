@@ -1,6 +1,7 @@
 """The search's pieces: objective, Pareto frontier, choice, and the tier allocation."""
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -8,12 +9,11 @@ import torch
 
 from kvguard.config import CacheConfig, Objective, penalty
 from kvguard.architecture import Architecture
-from kvguard.plan import Plan
+from kvguard.plan import LayerPlan, Plan
 from kvguard.precision import Precision
 from kvguard.profile import Candidate, PlanScore
 from kvguard.calibration.latency import TIERS, LatencyModel
-from kvguard.calibration.search import INT2, INT3, LAYOUTS, OPTIONS, SIDE_OPTIONS, Searcher, best, pareto_front
-from kvguard.evaluation.methods import static_kv_bytes
+from kvguard.calibration.search import INT2, INT3, Searcher, best, pareto_front
 from kvguard.calibration.sensitivity import Sensitivity
 
 
@@ -142,34 +142,28 @@ def test_low_bit_allocation_uses_int3_and_rotates_only_low_bit_layers(smollm2):
     assert predicted(with_int3) < predicted(without)
 
 
-@pytest.mark.slow
-def test_values_go_below_their_keys_where_the_side_ratios_price_it(smollm2):
-    model, _ = smollm2
+def test_level3_clips_keys_and_keeps_the_rest_of_the_layer():
+    """Level 3 changes only the key clip: the layer's rotation and values below its keys stay as they were (it
+    used to rebuild the layer from its tiers and clips, dropping both)."""
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama()
     arch = Architecture.from_config(model.config)
-    searcher = Searcher(model, SimpleNamespace(arch=arch), Objective(), LatencyModel({}, 0), context=512, progress=False)
-    alone = torch.linspace(0.001, 0.2, arch.num_layers)
-    sens = _sens(arch, alone, torch.stack([alone * 0.5, alone * 1.5], 1))
-    layout = LAYOUTS["window-32 group-64"]
-    table, ref = searcher.layer_bytes(layout)
-    assert table.shape[1] == len(OPTIONS)
-    int2, int4 = (float(table[:, j].sum() / ref.sum()) for j in (INT2, TIERS.index(Precision.INT4)))
-    target = (int2 + int4) / 2
-    # Values far cheaper than keys: INT4 keys over INT3 / INT2 values, INT3 keys over INT2 values.
-    costs = searcher.unit_costs(sens, 1e-5, int3_ratio=0.2, rotated=True, side_ratios=(0.01, 0.04, 0.25))
-    assert costs.shape[-1] == len(OPTIONS)
-    k4v3, k4v2, k3v2 = (costs[..., OPTIONS.index(o)] for o in SIDE_OPTIONS)
-    # An option never predicts less error than one that keeps more bits on both sides.
-    assert bool((k4v3 >= costs[..., TIERS.index(Precision.INT4)]).all() and (k4v2 >= k4v3).all())
-    assert bool((k3v2 >= costs[..., INT3]).all() and (k3v2 >= k4v2).all())
-    sided = searcher.allocate(costs, layout, target, sens.rotation())
-    same = searcher.allocate(costs[..., :len(TIERS)], layout, target, sens.rotation())
-    assert any(lp.value_drop for lp in sided.layers) and not any(lp.value_drop for lp in same.layers)
-    # The plan's real cache keeps to the target, and the side options buy a lower predicted error within it.
-    stored, fp16 = static_kv_bytes(sided, model.config, 512)
-    assert stored / fp16 <= target + 1e-3
 
-    def predicted(plan):
-        return sum(float(costs[i, h, OPTIONS.index((p, (lp.value_drop or (0,) * len(lp.precision))[h]))])
-                   for i, lp in enumerate(plan.layers) for h, p in enumerate(lp.precision))
+    class Scores:  # every clipped plan scores lower than the start, so level 3 keeps each one
+        def score(self, heldout, plans, scales=None):
+            return [PlanScore(0.001 * (1 - p.layers[0].key_clip), {"prose": 0.1}, 0.99) for p in plans]
 
-    assert predicted(sided) < predicted(same)
+    latency = LatencyModel({t.value: 1.0 for t in TIERS}, 64)
+    searcher = Searcher(model, SimpleNamespace(arch=arch), Objective(), latency, context=64, progress=False,
+                        executor=Scores())
+    layer = LayerPlan((Precision.INT4,) * arch.num_kv_heads, key_rotation=True, value_rotation=True,
+                      value_drop=(1,) * arch.num_kv_heads)
+    start = _cand("start", 0.3, 0.1, kl=0.01)
+    start = Candidate("start", 2, Plan((layer,) * arch.num_layers), 0.3, 1.0, start.quality, 0.3, True)
+    sens = SimpleNamespace(layer_ranking=lambda: list(range(arch.num_layers)))
+    out = searcher.level3(start, sens, layers=1)
+    assert [c.plan.layers[0].key_clip for c in out] == [0.95, 0.9]
+    for cand in out:
+        assert cand.plan.layers[0] == replace(layer, key_clip=cand.plan.layers[0].key_clip)
+        assert cand.plan.layers[1] == layer

@@ -61,18 +61,6 @@ CLIP_GRID = (0.95, 0.9)
 LOW_BIT_TARGETS = (0.85, 0.75, 0.68, 0.60, 0.52, 0.45)
 ABLATION_TARGETS = (0.75, 0.60)
 INT3, INT2 = TIERS.index(Precision.INT3), TIERS.index(Precision.INT2)
-# What level 2 allocates per KV head: the tiers (values at the keys' tier), then keys with their values stored one
-# or two tiers lower (:class:`LayerPlan`'s ``value_drop``). Below 4 bits the values cost far less KL per byte than
-# the keys: on Gemma 3's calibration text (2,048 tokens, every layer, both sides rotated, window-16
-# value-group-64), INT3 keys with INT2 values cost 1.5x all-INT3's KL for 12 % fewer bytes, and INT4 keys with
-# INT2 values store all-INT3's bytes at 0.75x its KL, while INT2 keys with INT3 values cost 13x (prose).
-SIDE_OPTIONS = ((Precision.INT4, 1), (Precision.INT4, 2), (Precision.INT3, 1))
-OPTIONS = tuple((tier, 0) for tier in TIERS) + SIDE_OPTIONS
-
-
-def option_name(tier: Precision, drop: int) -> str:
-    """``int4`` for a tier, ``int4/int3`` for keys over values stored lower."""
-    return tier.value if not drop else f"{tier.value}/{tier.below(drop).value}"
 
 
 def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
@@ -121,16 +109,14 @@ class Searcher:
         self._bytes_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def layer_bytes(self, cache_config: CacheConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(bytes [layers, options], fp16 reference bytes [layers])`` of uniform caches at the reference context,
-        one column per :data:`OPTIONS` entry (the :data:`TIERS` first)."""
+        """``(bytes [layers, tiers], fp16 reference bytes [layers])`` of uniform caches at the reference context."""
         key = tuple(sorted(cache_config.to_dict().items()))
         if key not in self._bytes_cache:
-            table = torch.zeros(self.arch.num_layers, len(OPTIONS), dtype=torch.float64)
+            table = torch.zeros(self.arch.num_layers, len(TIERS), dtype=torch.float64)
             ref = torch.zeros(self.arch.num_layers, dtype=torch.float64)
             zeros = torch.zeros(1, self.arch.num_kv_heads, self.context, self.arch.head_dim)
-            for j, (tier, drop) in enumerate(OPTIONS):
-                plan = Plan.uniform(self.arch, tier, cache_config).with_value_drop(drop)
-                cache = plan.make_cache(self.model.config)
+            for j, tier in enumerate(TIERS):
+                cache = Plan.uniform(self.arch, tier, cache_config).make_cache(self.model.config)
                 for i, layer in enumerate(cache.layers):
                     cache.update(zeros, zeros, i)
                     table[i, j] = layer.nbytes()
@@ -161,9 +147,8 @@ class Searcher:
     def level1(self, low_bit: bool = False) -> list[Candidate]:
         """Global precision x cache layout: INT8 and INT4 in every layout but the low-bit ones; all-INT2 in the
         default layout as the floor of the frontier; with ``low_bit``, INT8 and INT4 in the model's low-bit
-        layout too, all-INT3 and all-INT2 rotated in the default and the low-bit layouts (their KL ratio
-        prices INT3 in level 2), and every :data:`SIDE_OPTIONS` entry rotated in the default layout (priced the
-        same way)."""
+        layout too, and all-INT3 and all-INT2 rotated in the default and the low-bit layouts (their KL ratio
+        prices INT3 in level 2)."""
         low = self.low_bit_layout if low_bit else None
         todo = [(f"L1 all-{tier.value} {lname}", 1, Plan.uniform(self.arch, tier, layout))
                 for lname, layout in LAYOUTS.items() for tier in (Precision.INT8, Precision.INT4)
@@ -172,9 +157,6 @@ class Searcher:
         if low_bit and self.rotatable:
             todo += [(f"L1 all-{tier.value}+rot {lname}", 1, Plan.uniform(self.arch, tier, LAYOUTS[lname]).with_rotation(True, True))
                      for lname in self.frontier_layouts for tier in (Precision.INT3, Precision.INT2)]
-            todo += [(f"L1 all-{option_name(tier, drop)}+rot {DEFAULT_LAYOUT}", 1,
-                      Plan.uniform(self.arch, tier, LAYOUTS[DEFAULT_LAYOUT]).with_rotation(True, True).with_value_drop(drop))
-                     for tier, drop in SIDE_OPTIONS]
         return self.evaluate_all(todo, "search level 1")
 
     @functools.cached_property
@@ -195,16 +177,13 @@ class Searcher:
 
     # ------------------------------------------------------------------ level 2
     def unit_costs(self, sens: Sensitivity, int8_kl: float, int3_ratio: float | None = None,
-                   rotated: bool = False, side_ratios: tuple[float, ...] | None = None) -> torch.Tensor:
+                   rotated: bool = False) -> torch.Tensor:
         """Predicted KL ``[layers, KV heads, tiers]`` of storing one head at each tier (others FP16): FP16 0,
         INT8 an even share of the measured all-INT8 KL, INT4 a share of the measured all-INT4 KL (half by the
         KL the layer's FP16 buys back, half by its INT2 *alone* KL, which is far less noisy), INT2 the measured
         *alone* KL (``rotated``: with the layer's chosen rotation, for plans that apply it), INT3 that times
         ``int3_ratio`` (all-INT3 over all-INT2 KL, both rotated, measured in level 1; without it INT3 costs as
-        much as INT2 and is never chosen); split over heads by the measured head shares. With ``side_ratios``
-        (one per :data:`SIDE_OPTIONS` entry, its all-layer KL over all-INT2's, both rotated), the
-        ``[layers, KV heads, options]`` costs of every :data:`OPTIONS` entry, the keys-over-values options priced
-        as INT3 is."""
+        much as INT2 and is never chosen); split over heads by the measured head shares."""
         n_layers, n_heads = self.arch.num_layers, self.arch.num_kv_heads
         w = sens.head_weights()  # [L, H]
         costs = torch.zeros(n_layers, n_heads, len(TIERS), dtype=torch.float64)
@@ -216,16 +195,7 @@ class Searcher:
         # A plan that does not rotate must not be priced by the rotated KL: that sent SmolLM2's layer 0 to INT2.
         costs[..., INT2] = (sens.aggressive_kl() if rotated else alone)[:, None] * w
         costs[..., INT3] = costs[..., INT2] * (1.0 if int3_ratio is None else min(max(int3_ratio, 0.0), 1.0))
-        costs = costs.cummax(dim=-1).values  # a lower tier never predicts less error than a higher one
-        if side_ratios is None:
-            return costs
-        side = []
-        for (tier, drop), ratio in zip(SIDE_OPTIONS, side_ratios):
-            # never below the keys' own tier with both sides at it, nor below an option that keeps more bits
-            floor = [costs[..., TIERS.index(tier)]] + [c for (t, d), c in zip(SIDE_OPTIONS, side)
-                                                       if t.bits > tier.bits or (t is tier and d < drop)]
-            side.append(torch.stack([costs[..., INT2] * min(max(ratio, 0.0), 1.0)] + floor).amax(0))
-        return torch.cat([costs, torch.stack(side, -1)], -1)
+        return costs.cummax(dim=-1).values  # a lower tier never predicts less error than a higher one
 
     def allocate(self, costs: torch.Tensor, layout: CacheConfig, memory: float,
                  rotation: tuple[list[bool], list[bool]] | None = None) -> Plan:
@@ -233,8 +203,7 @@ class Searcher:
         relaxation: each head takes the tier minimising ``cost + lambda * bytes``; ``lambda`` by bisection).
         ``rotation``: per layer, whether its keys / values are rotated (where a head is below INT8)."""
         table, ref = self.layer_bytes(layout)
-        table = table[:, :costs.shape[-1]]  # the options ``costs`` prices: the tiers, or every OPTIONS entry
-        per_head = (table / self.arch.num_kv_heads)[:, None, :].expand_as(costs)  # [L, H, options]
+        per_head = (table / self.arch.num_kv_heads)[:, None, :].expand_as(costs)  # [L, H, tiers]
         budget = memory * float(ref.sum())
 
         def assign(lam: float) -> torch.Tensor:
@@ -255,19 +224,16 @@ class Searcher:
         keys, values = rotation or ([False] * self.arch.num_layers,) * 2
         layers = []
         for i, row in enumerate(assign(hi)):
-            tiers = tuple(OPTIONS[int(c)][0] for c in row)
+            tiers = tuple(TIERS[int(c)] for c in row)
             low = any(t.bits < 8 for t in tiers)
-            layers.append(LayerPlan(tiers, key_rotation=keys[i] and low, value_rotation=values[i] and low,
-                                    value_drop=tuple(OPTIONS[int(c)][1] for c in row)))
+            layers.append(LayerPlan(tiers, key_rotation=keys[i] and low, value_rotation=values[i] and low))
         return Plan(tuple(layers), layout)
 
     def level2(self, sens: Sensitivity, layout: CacheConfig, int8_kl: float, targets: list[float], *,
-               int3_ratio: float | None = None, rotate: bool = False, side_ratios: tuple[float, ...] | None = None,
-               label: str = "") -> list[Candidate]:
-        """Plans allocated at each memory target in ``layout``; ``int3_ratio`` lets INT3 in and ``side_ratios``
-        values below their keys (see :meth:`unit_costs`), ``rotate`` applies the sensitivity's per-layer rotation
-        choice."""
-        costs = self.unit_costs(sens, int8_kl, int3_ratio, rotated=rotate, side_ratios=side_ratios)
+               int3_ratio: float | None = None, rotate: bool = False, label: str = "") -> list[Candidate]:
+        """Plans allocated at each memory target in ``layout``; ``int3_ratio`` lets INT3 in (see
+        :meth:`unit_costs`), ``rotate`` applies the sensitivity's per-layer rotation choice."""
+        costs = self.unit_costs(sens, int8_kl, int3_ratio, rotated=rotate)
         rotation = sens.rotation() if rotate else None
         name = next(n for n, c in LAYOUTS.items() if c == layout) if layout in LAYOUTS.values() else "custom"
         todo, seen = [], set()
@@ -283,27 +249,22 @@ class Searcher:
         """The low-bit frontier: tiers down to INT2, with INT3 and rotation, at :data:`LOW_BIT_TARGETS` of the
         default layout's all-INT4 bytes (in the default and the low-bit layouts, above each one's all-INT2
         floor), each also with the softmax-bias correction (:meth:`corrected`), and the same plans without
-        rotation and without INT3 at :data:`ABLATION_TARGETS`. Values go below their keys (:data:`SIDE_OPTIONS`)
-        in all of them but the one without INT3."""
+        rotation and without INT3 at :data:`ABLATION_TARGETS`."""
         by_name = {c.name: c for c in level1}
         b4 = by_name[f"L1 all-int4 {DEFAULT_LAYOUT}"].memory
         rot3, rot2 = (by_name.get(f"L1 all-{t}+rot {DEFAULT_LAYOUT}") for t in ("int3", "int2"))
         ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
-        side = [by_name.get(f"L1 all-{option_name(t, d)}+rot {DEFAULT_LAYOUT}") for t, d in SIDE_OPTIONS]
-        sides = tuple(c.quality.kl / rot2.quality.kl for c in side) if all(side) and ratio is not None else None
         rotate = self.rotatable
         out, low = [], self.low_bit_layout
         for lname in self.frontier_layouts:
             layout = LAYOUTS[lname]
             floor = float(self.layer_bytes(layout)[0][:, INT2].sum() / self.layer_bytes(layout)[1].sum())
             targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.005]
-            out += self.level2(sens, layout, int8_kl, targets, int3_ratio=ratio, rotate=rotate, side_ratios=sides,
-                               label=" low-bit")
+            out += self.level2(sens, layout, int8_kl, targets, int3_ratio=ratio, rotate=rotate, label=" low-bit")
         out += self.corrected(out)
         ablation = [round(f * b4, 4) for f in ABLATION_TARGETS]
         if rotate:
-            out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, int3_ratio=ratio, side_ratios=sides,
-                               label=" low-bit, no rotation")
+            out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, int3_ratio=ratio, label=" low-bit, no rotation")
         out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, rotate=rotate, label=" low-bit, no int3")
         return out
 
