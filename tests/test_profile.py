@@ -28,7 +28,7 @@ def test_values_below_their_keys_are_normalized_and_checked():
     assert LayerPlan(("int8", "int2"), value_drop=(2, 1)) == LayerPlan(("int8", "int2"))
     plan = Plan((lp,))
     assert Plan.from_dict(plan.to_dict()) == plan and plan.to_dict()["layers"][0]["value_drop"] == [1, 2, 0, 0]
-    assert "v:int3/int2/int8/int2" in plan.summary()
+    assert plan.summary() == "0:int4/int3/int8/int2[v:int3/int2/int8/int2]"
     with pytest.raises(ValueError, match="value_drop has 1 entries, the layer has 2 KV heads"):
         LayerPlan(("int4", "int4"), value_drop=(1,))
     with pytest.raises(ValueError, match=r"value_drop entries must be in \[0, 2\]"):

@@ -192,14 +192,14 @@ class Plan:
 
     def summary(self) -> str:
         """One token per layer: its tier, or the per-head tiers joined by ``/``; ``c`` marks a key clip < 1,
-        ``rk`` / ``rv`` rotated keys / values, ``v:`` the values' tiers where they are stored lower."""
+        ``rk`` / ``rv`` rotated keys / values, ``[v:...]`` the values' tiers where they are stored lower."""
         out = []
         for i, lp in enumerate(self.layers):
             tiers = lp.uniform.value if lp.uniform else "/".join(p.value for p in lp.precision)
             marks = (f"c{lp.key_clip:g}" if lp.key_clip < 1 else "") + ("rk" if lp.key_rotation else "")
             marks += "rv" if lp.value_rotation else ""
             if lp.value_drop:
-                marks += "v:" + "/".join(p.value for p in lp.value_precision)
+                marks += "[v:" + "/".join(p.value for p in lp.value_precision) + "]"
             out.append(f"{i}:{tiers}" + marks)
         return " ".join(out)
 

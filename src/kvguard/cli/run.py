@@ -171,7 +171,7 @@ def frontier_step(cfg: RunConfig, profile, model, tok) -> None:
     _heading(2, f"plan and frontier; scored on {cfg.tokens} held-out tokens against FP16 and the peers")
     print(f"chosen plan {chosen.name!r}: {chosen.memory:.3f} of FP16 bytes, expected perplexity "
           f"{penalty(chosen.quality.kl):+.2f} % (held-out calibration text). Tiers per layer "
-          "(a/b/c: per KV head; cX: keys clipped to X; rk / rv: keys / values rotated; v:...: the values' tiers where "
+          "(a/b/c: per KV head; cX: keys clipped to X; rk / rv: keys / values rotated; [v:...]: the values' tiers where "
           "they are stored below the keys'):")
     print("\n".join(plan_lines(profile.plan)))
     front = meta.frontier()
