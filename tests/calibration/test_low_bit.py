@@ -9,6 +9,7 @@ import torch
 from kvguard import models
 from kvguard.architecture import Architecture
 from kvguard.calibration.pipeline import calibrate
+from kvguard.calibration.sensitivity import Sensitivity
 from kvguard.calibration.search import DEFAULT_LAYOUT, LAYOUTS, LOW_BIT_LAYOUTS, low_bit_layout
 from kvguard.evaluation import methods
 from kvguard.plan import Plan
@@ -75,6 +76,11 @@ def test_search_reaches_below_int4_with_int3_and_rotation(low_bit, smollm2_4_lay
         for lp in c.plan.layers:
             if lp.key_rotation or lp.value_rotation:
                 assert any(p.bits < 8 for p in lp.precision)
+    # The floor is searched too: all-INT2 with each layer's own rotation choice, in the low-bit layout.
+    keys, values = Sensitivity.from_parts(low_bit.meta.record["sensitivity"], low_bit.tensors).rotation()
+    floor = [c for c in in_layout if all(lp.uniform is Precision.INT2 for lp in c.plan.layers)]
+    assert floor and all([(lp.key_rotation, lp.value_rotation) for lp in c.plan.layers] == list(zip(keys, values))
+                         for c in floor)
     # The ablation at a fixed budget: the same targets without rotation and without INT3.
     no_rot = [c for c in log.values() if "no rotation" in c.name]
     no_int3 = [c for c in log.values() if "no int3" in c.name]
