@@ -48,7 +48,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvguard import attention, fused_attention, rotation
 from kvguard.backing import BackingStore
 from kvguard.config import CacheConfig
-from kvguard.precision import Precision
+from kvguard.precision import Precision, value_tiers
 from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize
 
 _UNCORRECTED = ("score_correction is on, but this read dequantizes the stored keys (a chunk of more than "
@@ -161,8 +161,7 @@ class KVGuardLayer(CacheLayerMixin):
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         self.fp_dtype = self.config.storage_dtype(key_states.dtype)
         self._check_heads(self._requested)
-        if self.value_drop and len(self.value_drop) != self.num_heads:
-            raise ValueError(f"layer {self.layer_idx} has {self.num_heads} KV heads but {len(self.value_drop)} value drops were given")
+        self._check_drops(self.value_drop)
         empty = key_states.new_zeros((self.batch_size, self.num_heads, 0, self.head_dim), dtype=self.fp_dtype)
         self._sinks_k = self._sinks_v = self._win_k = self._win_v = empty
         self.is_initialized = True
@@ -217,9 +216,12 @@ class KVGuardLayer(CacheLayerMixin):
         drop = tuple(int(d) for d in drop)
         if any(d < 0 for d in drop):
             raise ValueError(f"value drops must be >= 0, got {list(drop)}")
+        self._check_drops(drop)
+        self.value_drop = drop if any(drop) else ()
+
+    def _check_drops(self, drop: tuple[int, ...]) -> None:
         if drop and self.num_heads is not None and len(drop) != self.num_heads:
             raise ValueError(f"layer {self.layer_idx} has {self.num_heads} KV heads but {len(drop)} value drops were given")
-        self.value_drop = drop if any(drop) else ()
 
     def set_static_scales(self, key_absmax: torch.Tensor | None, value_absmax: torch.Tensor | None) -> None:
         """Calibrated INT8 ``absmax`` per KV head and channel (``[H_kv, D]``), used by ``int8`` heads."""
@@ -233,9 +235,9 @@ class KVGuardLayer(CacheLayerMixin):
         """How tokens quantized now are stored: heads grouped by their key and value precisions."""
         g = self.config.group_size
         groups: dict[tuple[Precision, Precision], list[int]] = {}
-        drops = self.value_drop or (0,) * len(self.head_precisions)
-        for h, (p, d) in enumerate(zip(self.head_precisions, drops)):
-            groups.setdefault((p, p.below(d)), []).append(h)
+        tiers = self.head_precisions
+        for h, pair in enumerate(zip(tiers, value_tiers(tiers, self.value_drop))):
+            groups.setdefault(pair, []).append(h)
         layout = []
         for (precision, value_precision), heads in groups.items():
             if not precision.is_quantized:

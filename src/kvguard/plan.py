@@ -12,7 +12,7 @@ import torch
 
 from kvguard.config import CacheConfig
 from kvguard.architecture import Architecture
-from kvguard.precision import Precision
+from kvguard.precision import Precision, value_tiers
 
 
 MAX_VALUE_DROP = 2  # INT4 keys with INT2 values; lower than that is where keys are INT2 anyway
@@ -50,8 +50,7 @@ class LayerPlan:
     @property
     def value_precision(self) -> tuple[Precision, ...]:
         """The tier each KV head stores its values in."""
-        drops = self.value_drop or (0,) * len(self.precision)
-        return tuple(p.below(d) for p, d in zip(self.precision, drops))
+        return value_tiers(self.precision, self.value_drop)
 
 
 def _normalized_drop(precision: tuple[Precision, ...], drop) -> tuple[int, ...]:

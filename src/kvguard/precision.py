@@ -67,3 +67,10 @@ class Precision(str, Enum):
 
 
 _ORDER = [Precision.INT2, Precision.INT3, Precision.INT4, Precision.INT8, Precision.FP16]
+
+
+def value_tiers(precisions, drops) -> tuple[Precision, ...]:
+    """Each head's value tier: its keys' tier ``precisions[h]`` lowered by ``drops[h]`` (:meth:`Precision.below`);
+    empty ``drops``: the keys' tiers."""
+    drops = drops or (0,) * len(precisions)
+    return tuple(p.below(d) for p, d in zip(precisions, drops))
