@@ -1,10 +1,12 @@
 """Unit tests of one cache layer on synthetic K/V (fast, no model)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
-from kvguard.config import CacheConfig
+from kvguard.config import WINDOW_HEADROOM, CacheConfig
 from kvguard.quantizer import Axis, QuantSpec, quantize
 
 B, H, D = 2, 3, 16
@@ -215,6 +217,37 @@ def test_static_int8_scales_are_used_and_shared():
     assert (got_k[..., q, :] - keys[..., q, :]).abs().max() <= step
     with pytest.raises(ValueError, match=r"\[H_kv, D\]"):
         layer.set_static_scales(torch.ones(H), None)
+
+
+def test_an_8_bit_window_stores_int8_codes_under_the_calibrated_scales():
+    cfg = CacheConfig(residual=8, sinks=2, group_size=4, window_bits=8)
+    keys, values = kv(42, 11)
+    k_amax, v_amax = keys.abs().amax(dim=(0, 2)), values.abs().amax(dim=(0, 2))  # [H, D], as calibration records
+    layer, fp = KVGuardLayer("int4", cfg), KVGuardLayer("int4", replace(cfg, window_bits=16))
+    layer.set_static_scales(k_amax, v_amax)
+    fp.set_static_scales(k_amax, v_amax)
+    for t in range(42):
+        out_k, out_v = layer.update(keys[..., t:t + 1, :], values[..., t:t + 1, :])
+        fp.update(keys[..., t:t + 1, :], values[..., t:t + 1, :])
+        # The newest token is read as computed; the window's older tokens within one INT8 step.
+        assert torch.equal(out_k[..., -1:, :], keys[..., t:t + 1, :])
+    assert layer._win_k.dtype == torch.int8 and layer._win_k.shape[-2] == fp._win_k.shape[-2] > 0
+    win_k, win_v = layer.window_tensors(torch.float32)
+    start = layer.window_start()
+    assert (win_k - keys[..., start:, :]).abs().max() <= (WINDOW_HEADROOM * k_amax / 127).max() / 2 + 3e-3
+    assert (win_v - values[..., start:, :]).abs().max() <= (WINDOW_HEADROOM * v_amax / 127).max() / 2 + 3e-3
+    # The window costs 1 byte a value (and one float16 scale per KV head and channel) instead of 2.
+    window_values = 2 * B * H * layer._win_k.shape[-2] * D
+    assert fp.nbytes() - layer.nbytes() == window_values - 2 * H * D * 2
+    # Tokens left the window from their 8-bit copy: the history differs from the 16-bit window's, by little.
+    got, ref = layer.materialize(torch.float32)[0], fp.materialize(torch.float32)[0]
+    assert not torch.equal(got, ref) and (got - ref).abs().max() < 0.5 * (keys.abs().max())
+    with pytest.raises(ValueError, match="calibrated INT8 scales"):
+        KVGuardLayer("int4", cfg).update(keys[..., :1, :], values[..., :1, :])
+    with pytest.raises(ValueError, match="window_bits"):
+        CacheConfig(window_bits=4)
+    # Profiles write it only when set, and read it back.
+    assert "window_bits" not in CFG.to_dict() and CacheConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_sliding_layer_keeps_what_the_window_needs_and_reports_mask_sizes():

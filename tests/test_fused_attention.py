@@ -100,6 +100,16 @@ def test_static_int8_scales_and_clips():
     _check(layer, gen)
 
 
+def test_an_8_bit_window_is_read_decoded():
+    gen = torch.Generator().manual_seed(5)
+    layer = KVGuardLayer(("int3", "int8", "fp16"), CacheConfig(residual=6, sinks=2, group_size=8, window_bits=8))
+    layer.set_static_scales(torch.rand(H_KV, D, generator=gen) * 3 + 3, torch.rand(H_KV, D, generator=gen) * 3 + 3)
+    layer.set_rotation(True, True)
+    _fill(layer, 45, gen)
+    assert layer._win_k.dtype == torch.int8 and layer._win_k.shape[-2] > 0
+    _check(layer, gen)
+
+
 def test_several_runs_overlay_and_query_tokens():
     gen = torch.Generator().manual_seed(3)
     layer = KVGuardLayer("int4", CONFIG)

@@ -3,13 +3,14 @@
 import math
 
 import pytest
+import torch
 
 from kvguard import data
 from kvguard.config import CacheConfig
 from kvguard.architecture import Architecture
-from kvguard.plan import LayerPlan, Plan
+from kvguard.plan import LayerPlan, Plan, StaticScales
 from kvguard.evaluation.scoring import score_simulated, score_stream
-from kvguard.simulate import quantize_switch_points
+from kvguard.simulate import quantize_switch_points, simulate_logits
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +64,34 @@ def test_simulation_matches_chunk1_streaming(model_name, tiers, rotate, value_gr
     # And the quantization is visible: the plan's perplexity differs from full precision.
     fp = score_simulated(model, ids, Plan.uniform(arch, "fp16", plan.cache))
     assert not math.isclose(fp.perplexity, simulated.perplexity, rel_tol=1e-4)
+
+
+def test_an_8_bit_window_simulates_as_it_streams(smollm2):
+    """The window in the INT8 tier's format (``window_bits=8``) under scales calibrated on other text: the
+    simulation reads it and quantizes the history from it as the cache does."""
+    model, tok = smollm2
+    arch = Architecture.from_config(model.config)
+    absmax = {}
+
+    def record(layer, probs, quantized, k_fp, k_q, v_fp, v_q, mask):  # [1, H, T, D] -> [H, D]
+        absmax[layer] = (k_fp[0].abs().amax(1), v_fp[0].abs().amax(1))
+
+    calib = data.token_stream("prose", "calib", tok, 256)
+    simulate_logits(model, calib, Plan.uniform(arch, "fp16"), keep_from=255, observer=record)
+    scales = StaticScales(torch.stack([absmax[i][0] for i in range(arch.num_layers)]),
+                          torch.stack([absmax[i][1] for i in range(arch.num_layers)]))
+    cfg = CacheConfig(residual=16, sinks=4, group_size=16, window_bits=8)
+    plan = _mixed_plan(arch, cfg, ("int3", "int4", "fp16"), rotate=True)
+    ids = data.token_stream("prose", "eval", tok, 200)
+    streamed = score_stream(model, ids, plan.make_cache(model.config, scales), chunk=1, keep_logits=True)
+    simulated = score_simulated(model, ids, plan, keep_logits=True, scales=scales)
+    assert abs(simulated.perplexity / streamed.perplexity - 1) < 2e-3
+    assert (simulated.logits.argmax(-1) == streamed.logits.argmax(-1)).float().mean() > 0.98
+    # The 8-bit window is visible, and only just: next to the same plan with a 16-bit window.
+    wide = score_simulated(model, ids, plan.with_window_bits(16), keep_logits=True, scales=scales)
+    assert simulated.perplexity != wide.perplexity and abs(simulated.perplexity / wide.perplexity - 1) < 0.02
+    with pytest.raises(ValueError, match="pass scales"):
+        score_simulated(model, ids, plan)
 
 
 def test_a_codec_replaces_only_the_quantized_heads_round_trip():

@@ -11,7 +11,9 @@ A layer stores the tokens it has seen, in order, as::
   ``group_size`` when they leave the window, are quantized exactly once, and are never re-quantized. A part's
   codes live in preallocated buffers with room for more rows: a group is written behind the stored ones, not
   concatenated onto them (see ``_extend_rows``).
-- **window**: the most recent ``residual`` to ``residual + group_size - 1`` tokens, full precision.
+- **window**: the most recent ``residual`` to ``residual + group_size - 1`` tokens, full precision, or with
+  ``CacheConfig.window_bits == 8`` INT8 codes under the calibrated static scales (``[1, H, 1, D]``, the INT8 tier's
+  format): ``_win_k`` / ``_win_v`` then hold the codes and :meth:`KVGuardLayer.window_tensors` decodes them.
 - **rotation** (optional, per side): heads below INT8 can store ``quantize(x @ R)`` with ``R`` an orthonormal
   randomized Hadamard matrix per KV head (:mod:`kvguard.rotation`), read back as ``dequantize(...) @ R.T``.
 - **overlay**: full-precision K/V for chosen quantized positions (selective recomputation writes it through
@@ -47,7 +49,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvguard import attention, fused_attention, rotation
 from kvguard.backing import BackingStore
-from kvguard.config import CacheConfig
+from kvguard.config import WINDOW_HEADROOM, CacheConfig
 from kvguard.precision import Precision, value_tiers
 from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize
 
@@ -121,6 +123,7 @@ class KVGuardLayer(CacheLayerMixin):
         # Calibrated INT8 absmax per KV head and channel, [H_kv, D]; None = dynamic scales.
         self.key_absmax: torch.Tensor | None = None
         self.value_absmax: torch.Tensor | None = None
+        self._win_scale: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V [1, H, 1, D] of an 8-bit window
         self.key_rotation = self.value_rotation = False  # Hadamard-rotate heads below INT8 before quantizing
         self.value_drop: tuple[int, ...] = ()  # per head, values this many tiers below the keys (empty: none)
         self.num_heads: int | None = None  # known at the first update
@@ -163,7 +166,14 @@ class KVGuardLayer(CacheLayerMixin):
         self._check_heads(self._requested)
         self._check_drops(self.value_drop)
         empty = key_states.new_zeros((self.batch_size, self.num_heads, 0, self.head_dim), dtype=self.fp_dtype)
-        self._sinks_k = self._sinks_v = self._win_k = self._win_v = empty
+        self._sinks_k = self._sinks_v = empty
+        if self.config.window_bits == 8:
+            if self.key_absmax is None or self.value_absmax is None:
+                raise ValueError(f"layer {self.layer_idx}: window_bits=8 stores the window under the calibrated INT8 "
+                                 "scales, and none are set (pass a profile's static scales to make_cache)")
+            self._win_scale = tuple(_window_scale(a, self.device) for a in (self.key_absmax, self.value_absmax))
+            empty = empty.to(torch.int8)
+        self._win_k = self._win_v = empty
         self.is_initialized = True
 
     def reset(self) -> None:
@@ -389,7 +399,7 @@ class KVGuardLayer(CacheLayerMixin):
                     part.rotation_matrix if pl.value_rotated else None))
             column += run.length
         if self._win_k.shape[-2]:
-            segments.append(fused_attention.StoredSegment(column, self._win_k.shape[-2], None, self._win_k, self._win_v))
+            segments.append(fused_attention.StoredSegment(column, self._win_k.shape[-2], None, *self.window_tensors()))
             column += self._win_k.shape[-2]
         correct = self.config.score_correction
         if self._overlay_pos is None or not self._overlay_pos.numel():
@@ -405,15 +415,34 @@ class KVGuardLayer(CacheLayerMixin):
             self._sinks_k = torch.cat([self._sinks_k, keys[..., :into_sinks, :].to(self.fp_dtype)], dim=-2)
             self._sinks_v = torch.cat([self._sinks_v, values[..., :into_sinks, :].to(self.fp_dtype)], dim=-2)
         if into_sinks < n:
-            self._win_k = torch.cat([self._win_k, keys[..., into_sinks:, :].to(self.fp_dtype)], dim=-2)
-            self._win_v = torch.cat([self._win_v, values[..., into_sinks:, :].to(self.fp_dtype)], dim=-2)
+            self._win_k = torch.cat([self._win_k, self._window_codes(keys[..., into_sinks:, :], 0)], dim=-2)
+            self._win_v = torch.cat([self._win_v, self._window_codes(values[..., into_sinks:, :], 1)], dim=-2)
         g, r = self.config.group_size, self.config.residual
         leaving = (self._win_k.shape[-2] - r) // g * g
         if leaving > 0:
             first = self.window_start()
-            k, v = self._win_k[..., :leaving, :], self._win_v[..., :leaving, :]
+            k, v = self.window_tensors(end=leaving)
             self._win_k, self._win_v = self._win_k[..., leaving:, :], self._win_v[..., leaving:, :]
             self._store(k, v, first)
+
+    def _window_codes(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        """``x`` ``[B, H, n, D]`` as the window stores it: ``fp_dtype``, or INT8 codes under side ``side``'s (0: K,
+        1: V) calibrated scale, rounded from the ``fp_dtype`` value so that the simulation can do the same."""
+        x = x.to(self.fp_dtype)
+        if self._win_scale is None:
+            return x
+        return torch.clamp(torch.round(x.to(torch.float32) / self._win_scale[side]), -127, 127).to(torch.int8)
+
+    def window_tensors(self, dtype: torch.dtype | None = None, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's first ``end`` tokens (all: ``None``) as keys and values ``[B, H, n, D]`` in ``dtype``
+        (``fp_dtype``: ``None``), decoded when the window holds INT8 codes."""
+        dtype = dtype or self.fp_dtype
+        k, v = self._win_k[..., :end, :], self._win_v[..., :end, :]
+        if self._win_scale is None:
+            return k.to(dtype), v.to(dtype)
+        # Through fp_dtype first: what a 16-bit window would have held after rounding, so the tokens leaving the
+        # window are quantized from the same numbers the simulation uses.
+        return tuple((c.to(torch.float32) * s).to(self.fp_dtype).to(dtype) for c, s in zip((k, v), self._win_scale))
 
     def _trim(self) -> None:
         """Full-attention layers keep everything; sliding layers override this."""
@@ -440,8 +469,9 @@ class KVGuardLayer(CacheLayerMixin):
             k, v = self._run_tensors(run, dtype)
             ks.append(k)
             vs.append(v)
-        ks.append(self._win_k.to(dtype))
-        vs.append(self._win_v.to(dtype))
+        win_k, win_v = self.window_tensors(dtype)
+        ks.append(win_k)
+        vs.append(win_v)
         keys, values = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
         if self._overlay_pos is not None and self._overlay_pos.numel():
             idx = self._overlay_pos - self.offset
@@ -500,8 +530,8 @@ class KVGuardLayer(CacheLayerMixin):
             self._sinks_v[:, :, idx] = values[:, :, in_sinks]
         if bool(in_window.any()):
             idx = pos[in_window] - win_start
-            self._win_k[:, :, idx] = keys[:, :, in_window]
-            self._win_v[:, :, idx] = values[:, :, in_window]
+            self._win_k[:, :, idx] = self._window_codes(keys[:, :, in_window], 0)
+            self._win_v[:, :, idx] = self._window_codes(values[:, :, in_window], 1)
         rest = ~(in_sinks | in_window)
         if bool(rest.any()):
             self._merge_overlay(pos[rest], keys[:, :, rest], values[:, :, rest])
@@ -630,6 +660,8 @@ class KVGuardLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         total = sum(_nbytes(t) for t in (self._sinks_k, self._sinks_v, self._win_k, self._win_v))
+        if self._win_scale is not None:  # float16 like every scale, whatever dtype it is kept in for the arithmetic
+            total += sum(s.numel() * 2 for s in self._win_scale)
         return total + self.overlay_nbytes() + self.history_nbytes()
 
     def history_nbytes(self) -> int:
@@ -764,6 +796,15 @@ class KVGuardSlidingLayer(KVGuardLayer):
             self._overlay_k, self._overlay_v = self._overlay_k[:, :, keep], self._overlay_v[:, :, keep]
         if self.backing is not None:
             self.backing.drop_before(self.layer_idx, self.offset)
+
+
+def _window_scale(absmax: torch.Tensor, device) -> torch.Tensor:
+    """The INT8 tier's static scale for the calibrated ``absmax`` ``[H, D]`` times :data:`WINDOW_HEADROOM`,
+    ``[1, H, 1, D]`` float32 (float16 values)."""
+    spec = QuantSpec(Precision.INT8, Axis.CHANNEL, 1, 1.0, True)
+    amax = absmax.to(device=device, dtype=torch.float32) * WINDOW_HEADROOM
+    return quantize(torch.zeros(1, amax.shape[0], 1, amax.shape[1], device=device), spec,
+                    amax.unsqueeze(0).unsqueeze(2)).scale.to(torch.float32)
 
 
 def _grow(buffer: torch.Tensor | None, heads: int, size: int, device=None) -> torch.Tensor:

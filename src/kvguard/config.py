@@ -9,6 +9,10 @@ from enum import Enum
 import torch
 
 _FP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "model": None}
+# An 8-bit window's range: twice the calibrated absmax. Recent keys exceed calibration's absmax by up to 2.8x on
+# 0.02-0.3 % of values (Gemma 3, calibration code), and saturating them costs more than a coarser step: all-INT3 on
+# that text, KL +22 % over a 16-bit window at 1x, +12 % at 2x.
+WINDOW_HEADROOM = 2.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,11 @@ class CacheConfig:
             ``group_size``). Values are quantized per token, so a wider group adds no full-precision tokens: it
             only thins the scales (with the values rotated, measured on Gemma 3's calibration text at INT3, 64
             channels instead of 32 cost at most 4 % more KL for 5 % fewer bytes; ``benchmarks/README.md``).
+        window_bits: 16 keeps the window in ``fp_dtype``; 8 stores it as the INT8 tier does (one calibrated scale
+            per KV head and channel, symmetric, over :data:`WINDOW_HEADROOM` times the calibrated range: 8 bits a
+            value and no scale bytes per token), which needs calibrated static scales. The newest token is still read as computed; tokens leave the window from their 8-bit
+            copy. Below 4 bits a 16-bit window is a large share of the bytes (13 % of all-INT3 on Gemma 3 at 2,048
+            tokens), and the INT8 tier is near-lossless (``benchmarks/README.md``).
         fp_dtype: storage dtype of full-precision parts (window, sinks, ``fp16`` tiers, recomputed overlay):
             ``float16`` (what a serving engine stores), ``bfloat16``, ``float32``, or ``model`` (the dtype
             the model computes in; bit-exact with ``DynamicCache``).
@@ -42,6 +51,7 @@ class CacheConfig:
     sinks: int = 4
     group_size: int = 32
     value_group_size: int | None = None
+    window_bits: int = 16
     fp_dtype: str = "float16"
     key_clip: float = 1.0
     value_clip: float = 1.0
@@ -54,6 +64,8 @@ class CacheConfig:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if self.value_group_size is not None and self.value_group_size < 1:
             raise ValueError(f"value_group_size must be >= 1 (or None: as group_size), got {self.value_group_size}")
+        if self.window_bits not in (8, 16):
+            raise ValueError(f"window_bits must be 16 (fp_dtype) or 8 (the INT8 tier's format), got {self.window_bits}")
         if self.fp_dtype not in _FP_DTYPES:
             raise ValueError(f"fp_dtype has to be one of {list(_FP_DTYPES)} but got {self.fp_dtype!r}")
         for name in ("key_clip", "value_clip"):
@@ -75,6 +87,8 @@ class CacheConfig:
             del out["score_correction"]  # off: profiles read the same as before it existed
         if self.value_group_size is None:
             del out["value_group_size"]  # likewise
+        if self.window_bits == 16:
+            del out["window_bits"]  # likewise
         return out
 
     @classmethod

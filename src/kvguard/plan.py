@@ -142,6 +142,7 @@ class Plan:
 
         arch = Architecture.from_config(model_config)
         self.check(arch)
+        scales = self.sizing_scales(arch, scales)
         c = self.cache
         costs = []
         for i, lp in enumerate(self.layers):
@@ -161,11 +162,19 @@ class Plan:
         of one sequence, without running the model: the stored sizes depend only on shapes, so zeros of the right
         shape are fed through the layers."""
         arch = Architecture.from_config(model_config)
-        cache = self.make_cache(model_config, scales)
+        cache = self.make_cache(model_config, self.sizing_scales(arch, scales))
         zeros = torch.zeros(1, arch.num_kv_heads, tokens, arch.head_dim)
         for idx in range(arch.num_layers):
             cache.update(zeros, zeros, idx)
         return cache.nbytes(), cache.fp16_nbytes()
+
+    def sizing_scales(self, arch: Architecture, scales: StaticScales | None) -> StaticScales | None:
+        """``scales``, or where an 8-bit window needs some and none are given, placeholder ones: sizes depend on
+        shapes only (the INT8 heads are then sized as calibrated ones, which is how such a plan runs)."""
+        if scales is not None or self.cache.window_bits != 8:
+            return scales
+        ones = torch.ones(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        return StaticScales(ones, ones)
 
     def with_rotation(self, keys: bool, values: bool) -> "Plan":
         """This plan with every layer's key / value rotation set."""
@@ -177,6 +186,10 @@ class Plan:
         INT8; see :class:`LayerPlan`)."""
         layers = tuple(replace(lp, value_drop=(drop,) * len(lp.precision)) for lp in self.layers)
         return Plan(layers, self.cache)
+
+    def with_window_bits(self, bits: int) -> "Plan":
+        """This plan with its window stored in ``bits`` (``CacheConfig.window_bits``: 16 or 8)."""
+        return Plan(self.layers, replace(self.cache, window_bits=bits))
 
     def with_score_correction(self, on: bool = True) -> "Plan":
         """This plan with the softmax-bias correction of quantized keys' scores on or off

@@ -22,6 +22,7 @@ import torch
 
 from kvguard import attention, rotation, score_bias as key_noise
 from kvguard.architecture import Architecture
+from kvguard.config import WINDOW_HEADROOM
 from kvguard.plan import Plan, StaticScales
 from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantSpec, quantize
@@ -89,6 +90,18 @@ def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axi
     return out
 
 
+def _window_round(x: torch.Tensor, absmax: torch.Tensor, sinks: int, fp_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[B, H, T, D]`` (float32 of ``fp_dtype`` values) past the sinks as an 8-bit window stores and reads it
+    (``KVGuardLayer.window_tensors``): INT8 codes under the calibrated ``absmax`` ``[H, D]`` (times
+    :data:`~kvguard.config.WINDOW_HEADROOM`), decoded
+    through ``fp_dtype``. Every token passes through the window, so the history is quantized from these too."""
+    spec = QuantSpec(Precision.INT8, Axis.CHANNEL, 1, 1.0, True)
+    amax = (absmax.to(device=x.device, dtype=torch.float32) * WINDOW_HEADROOM).unsqueeze(0).unsqueeze(2)  # [1, H, 1, D]
+    scale = quantize(x[:, :, :0], spec, amax).scale.to(torch.float32)
+    codes = torch.clamp(torch.round(x[:, :, sinks:] / scale), -127, 127)
+    return torch.cat([x[:, :, :sinks], (codes * scale).to(fp_dtype).to(torch.float32)], dim=2)
+
+
 def _key_step_variance(k_fp: torch.Tensor, precisions, start: int, end: int, group_size: int, clip: float,
                        rot: torch.Tensor | None) -> torch.Tensor:
     """``[B, H, T, D]``: the rounding-noise variance of every key element positions ``[start, end)`` store, in the
@@ -140,6 +153,10 @@ class _SimulationHook:
         k_fp, v_fp = key.to(fp_dtype).to(torch.float32), value.to(fp_dtype).to(torch.float32)
         end, switch = quantize_switch_points(t, plan)
         s, g, vg = plan.cache.sinks, plan.cache.group_size, plan.cache.value_group
+        if plan.cache.window_bits == 8:
+            if k_absmax is None:
+                raise ValueError("window_bits=8 stores the window under the calibrated INT8 scales: pass scales")
+            k_fp, v_fp = _window_round(k_fp, k_absmax, s, fp_dtype), _window_round(v_fp, v_absmax, s, fp_dtype)
         rot = None
         if lp.key_rotation or lp.value_rotation:
             rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)

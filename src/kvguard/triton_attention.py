@@ -474,7 +474,7 @@ def decode_attention(layer: KVGuardLayer, query: torch.Tensor, keys: torch.Tenso
         for part in run.parts:
             attn.part(part, cols, excluded)
         pos += run.length
-    attn.dense(layer._win_k, layer._win_v, slice(pos, pos + layer._win_k.shape[-2]))
+    attn.dense(*layer.window_tensors(), slice(pos, pos + layer._win_k.shape[-2]))
     if overlay is not None and overlay.numel():
         attn.dense(layer._overlay_k, layer._overlay_v, overlay)
     if new:

@@ -43,8 +43,8 @@ def test_low_bit_layout_is_the_one_that_stores_int3_in_fewer_bytes():
     smol, gemma = _config("smollm2-135m"), _config("gemma3-270m")
     # SmolLM2 holds all 2,048 tokens in every layer: halving the scale bytes (groups of 64) saves more than
     # halving the FP window. Gemma 3's sliding layers hold 512 tokens, where the window is the larger share.
-    short = "window-16 value-group-64"
-    cases = ((smol, "window-32 group-64", short), (gemma, short, "window-32 group-64"))
+    short = "window-16 value-group-64 w8"
+    cases = ((smol, "window-32 group-64 w8", short), (gemma, short, "window-32 group-64 w8"))
     for config, chosen, other in cases:
         assert low_bit_layout(config, 2048) == chosen
         arch = Architecture.from_config(config)

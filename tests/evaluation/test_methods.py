@@ -3,6 +3,7 @@ import torch
 
 from kvguard.evaluation import methods
 from kvguard.architecture import Architecture
+from kvguard.plan import StaticScales
 from kvguard.precision import Precision
 
 TINY = Architecture("llama", num_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=32,
@@ -38,3 +39,18 @@ def test_value_modifiers_store_the_values_below_their_keys():
     assert stored < methods.static_kv_bytes(methods.get("int4").plan(TINY), TINY, 203)[0]
     with pytest.raises(ValueError, match="unknown modifier 'v3'"):
         methods.get("int4+v3")
+
+
+def test_window_modifiers_need_calibrated_scales_for_8_bits():
+    with pytest.raises(ValueError, match=r"\+w8 stores the window under calibrated INT8 scales"):
+        methods.get("int3+w8")
+    assert methods.get("int3+w16").plan(TINY) == methods.get("int3").plan(TINY)  # 16 bits is the default
+    scales = StaticScales(torch.ones(2, 2, 32), torch.ones(2, 2, 32))
+    base = methods.Method("int3-calibrated", "INT3 with scales", lambda arch: methods.get("int3").plan(arch), scales=scales)
+    eight = base.plan(TINY).with_window_bits(8)
+    cache = eight.make_cache(TINY, scales)
+    for layer in range(TINY.num_layers):
+        cache.update(torch.randn(1, 2, 100, 32), torch.randn(1, 2, 100, 32), layer)
+    # Sized from shapes alone, the 8-bit window's plan stores what its cache does, and less than 16 bits.
+    assert methods.static_kv_bytes(eight, TINY, 100) == methods.kv_bytes(cache)
+    assert methods.static_kv_bytes(eight, TINY, 100)[0] < methods.static_kv_bytes(base.plan(TINY), TINY, 100)[0]

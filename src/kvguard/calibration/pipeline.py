@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -147,7 +148,9 @@ class _Run:
         self.log("level 1:\n" + "\n".join(f"  {c.name}: memory {c.memory:.3f}, ppl {c.ppl_increase_pct:+.2f} %, "
                                        f"KL {c.quality.kl:.5f}, score {c.score:.3f}" for c in level1))
         self.log(f"level 1 choice: {l1_best.name}")
-        sens, sens_tensors = self.sensitivity(heldout, layout, executor)
+        # Sensitivity trials run without the calibrated scales (so that they can resume from recorded passes), and
+        # an 8-bit window needs them: they measure per-layer costs, which the window's format does not change.
+        sens, sens_tensors = self.sensitivity(heldout, replace(layout, window_bits=16), executor)
         # Level 2 allocates tiers in the two layouts whose all-INT4 plan scored best.
         int4 = sorted((c for c in level1 if c.plan.layers[0].uniform is Precision.INT4), key=lambda c: (c.score, c.quality.kl))
 
@@ -260,8 +263,6 @@ def refit_monitor(out: str | os.PathLike, *, progress: bool = True, device: str 
 
 
 def _refit_monitor(out: Path, progress: bool, device: str = "cpu") -> Profile:
-    from dataclasses import replace
-
     from kvguard import models
     from kvguard.control.risk import RiskClassifier
 

@@ -10,7 +10,9 @@
   keeps it in the low-bit frontier plans where it measured a lower KL), e.g. ``kvguard@0.22+nosb``;
   ``<static method>+v1`` / ``+v2``: that plan with every head's values stored one / two tiers below its keys
   (heads below INT8, never below INT2), e.g. ``int4+rot+v1`` (INT4 keys, INT3 values); ``+v0``: values at their
-  keys' tier, e.g. ``kvguard@0.24+v0`` (the calibrated plan without the values it stores lower).
+  keys' tier, e.g. ``kvguard@0.24+v0`` (the calibrated plan without the values it stores lower);
+  ``+w8`` / ``+w16``: the full-precision window stored as INT8 codes under the profile's calibrated scales / in
+  float16 (``CacheConfig.window_bits``), e.g. ``kvguard@0.24+w16``; ``+w8`` needs a profile method.
 - ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
@@ -224,12 +226,15 @@ SCORE_CORRECTION = {"sb": (True, "softmax-bias correction of quantized keys' sco
                     "nosb": (False, "without the softmax-bias correction")}
 # ``+v<n>`` -> every head's values stored n tiers below its keys (LayerPlan.value_drop).
 VALUE_DROPS = {"v0": 0, "v1": 1, "v2": 2}
-MODIFIERS = (*ROTATIONS, *SCORE_CORRECTION, *VALUE_DROPS)
+# ``+w<bits>`` -> the window's storage (CacheConfig.window_bits).
+WINDOW_BITS = {"w8": 8, "w16": 16}
+MODIFIERS = (*ROTATIONS, *SCORE_CORRECTION, *VALUE_DROPS, *WINDOW_BITS)
 
 
 def modified_method(name: str, profile=None) -> Method:
-    """``<static method>+rot|rotk|rotv|sb|nosb|v0|v1|v2``: that method's plan with keys and/or values rotated,
-    with the softmax-bias correction on / off, or with its values stored below their keys' tier."""
+    """``<static method>+rot|rotk|rotv|sb|nosb|v0|v1|v2|w8|w16``: that method's plan with keys and/or values
+    rotated, with the softmax-bias correction on / off, with its values stored below their keys' tier, or with its
+    window in 8 or 16 bits."""
     base_name, modifier = name.rsplit("+", 1)
     if modifier not in MODIFIERS:
         raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are [{', '.join(MODIFIERS)}]")
@@ -240,6 +245,13 @@ def modified_method(name: str, profile=None) -> Method:
         on, what = SCORE_CORRECTION[modifier]
         return Method(name, f"{base.description}; {what}",
                       lambda arch: base.plan(arch).with_score_correction(on), scales=base.scales)
+    if modifier in WINDOW_BITS:
+        bits = WINDOW_BITS[modifier]
+        if bits == 8 and base.scales is None:
+            raise ValueError(f"{name!r}: +w8 stores the window under calibrated INT8 scales, which {base_name!r} has "
+                             "none of; apply it to kvguard or kvguard@<bytes> (with --profile)")
+        return Method(name, f"{base.description}; {bits}-bit window", lambda arch: base.plan(arch).with_window_bits(bits),
+                      scales=base.scales)
     if modifier in VALUE_DROPS:
         drop = VALUE_DROPS[modifier]
         what = "values at their keys' tier" if not drop else f"values {drop} tier{'s' * (drop > 1)} below their keys'"
