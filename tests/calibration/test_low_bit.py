@@ -68,7 +68,8 @@ def test_search_reaches_below_int4_with_int3_and_rotation(low_bit, smollm2_4_lay
     low = [c for c in low_bit.meta.search_log if "low-bit" in c.name and "no " not in c.name]
     assert low and min(c.memory for c in low) < 0.8 * b4
     in_layout = [c for c in low if f"L2 mixed {layout} " in c.name]
-    assert in_layout and all(replace(c.plan.cache, score_correction=False) == LAYOUTS[layout] for c in in_layout)
+    assert in_layout and all(replace(c.plan.cache, score_correction=False, window_bits=LAYOUTS[layout].window_bits)
+                             == LAYOUTS[layout] for c in in_layout)
     assert any(Precision.INT3 in lp.precision for c in low for lp in c.plan.layers)
     assert any(lp.key_rotation or lp.value_rotation for c in low for lp in c.plan.layers)
     # Rotation only where a head is below INT8 (the transform applies to those heads only).
@@ -114,3 +115,13 @@ def test_low_bit_plans_are_also_scored_with_the_softmax_bias_correction(low_bit)
         assert c.quality.kl != plain.quality.kl  # measured, not copied
     # Only the low-bit frontier is corrected; the ablation rows stay as they were searched.
     assert not any("no " in c.name for c in corrected)
+
+
+def test_low_bit_plans_with_8_bit_windows_are_also_scored_with_16_bit_ones(low_bit):
+    log = {c.name: c for c in low_bit.meta.search_log}
+    wide = [c for c in log.values() if c.name.endswith(" +w16")]
+    assert wide and all(c.plan.cache.window_bits == 16 for c in wide)
+    for c in wide:
+        narrow = log[c.name.removesuffix(" +w16")]
+        assert narrow.plan.cache.window_bits == 8 and narrow.plan.layers == c.plan.layers
+        assert c.memory > narrow.memory and c.quality.kl != narrow.quality.kl  # measured, not copied
