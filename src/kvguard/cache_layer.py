@@ -51,7 +51,7 @@ from kvguard import attention, fused_attention, rotation
 from kvguard.backing import BackingStore
 from kvguard.config import WINDOW_HEADROOM, CacheConfig
 from kvguard.precision import Precision, value_tiers
-from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize
+from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize, static_int8_scale
 
 _UNCORRECTED = ("score_correction is on, but this read dequantizes the stored keys (a chunk of more than "
                 f"{fused_attention.MAX_QUERY} tokens, or a cache off the CPU): the softmax-bias correction applies "
@@ -171,7 +171,9 @@ class KVGuardLayer(CacheLayerMixin):
             if self.key_absmax is None or self.value_absmax is None:
                 raise ValueError(f"layer {self.layer_idx}: window_bits=8 stores the window under the calibrated INT8 "
                                  "scales, and none are set (pass a profile's static scales to make_cache)")
-            self._win_scale = tuple(_window_scale(a, self.device) for a in (self.key_absmax, self.value_absmax))
+            # [H, D] -> [1, H, 1, D]: one scale per head and channel, shared by every token.
+            self._win_scale = tuple(static_int8_scale(a.to(self.device) * WINDOW_HEADROOM)[None, :, None, :]
+                                    for a in (self.key_absmax, self.value_absmax))
             empty = empty.to(torch.int8)
         self._win_k = self._win_v = empty
         self.is_initialized = True
@@ -796,15 +798,6 @@ class KVGuardSlidingLayer(KVGuardLayer):
             self._overlay_k, self._overlay_v = self._overlay_k[:, :, keep], self._overlay_v[:, :, keep]
         if self.backing is not None:
             self.backing.drop_before(self.layer_idx, self.offset)
-
-
-def _window_scale(absmax: torch.Tensor, device) -> torch.Tensor:
-    """The INT8 tier's static scale for the calibrated ``absmax`` ``[H, D]`` times :data:`WINDOW_HEADROOM`,
-    ``[1, H, 1, D]`` float32 (float16 values)."""
-    spec = QuantSpec(Precision.INT8, Axis.CHANNEL, 1, 1.0, True)
-    amax = absmax.to(device=device, dtype=torch.float32) * WINDOW_HEADROOM
-    return quantize(torch.zeros(1, amax.shape[0], 1, amax.shape[1], device=device), spec,
-                    amax.unsqueeze(0).unsqueeze(2)).scale.to(torch.float32)
 
 
 def _grow(buffer: torch.Tensor | None, heads: int, size: int, device=None) -> torch.Tensor:

@@ -233,6 +233,13 @@ def _to_scale_dtype(x: torch.Tensor, what: str) -> torch.Tensor:
     return x.to(SCALE_DTYPE)
 
 
+def static_int8_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """The scale static INT8 quantization uses for ``absmax`` at clip 1 (float16 values, as float32, same shape):
+    for callers that keep their own codes under a calibrated range (the cache's 8-bit window)."""
+    scale = _to_scale_dtype(absmax.to(torch.float32).abs() / 127.0, "scale").clamp(min=_MIN_SCALE)
+    return scale.to(torch.float32)
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, absmax: torch.Tensor | None = None) -> QuantizedTensor:
     """Quantize ``x`` (``[..., T, D]``, floating point) according to ``spec``.
 

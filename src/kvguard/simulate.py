@@ -25,7 +25,7 @@ from kvguard.architecture import Architecture
 from kvguard.config import WINDOW_HEADROOM
 from kvguard.plan import Plan, StaticScales
 from kvguard.precision import Precision
-from kvguard.quantizer import Axis, QuantSpec, quantize
+from kvguard.quantizer import Axis, QuantSpec, quantize, static_int8_scale
 
 # Called for every simulated layer (``kvguard.calibration.signals`` records the monitor's evidence with it):
 # ``observer(layer, probs, quantized, k_fp, k_q, v_fp, v_q, attention_mask)``.
@@ -92,12 +92,10 @@ def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axi
 
 def _window_round(x: torch.Tensor, absmax: torch.Tensor, sinks: int, fp_dtype: torch.dtype) -> torch.Tensor:
     """``x`` ``[B, H, T, D]`` (float32 of ``fp_dtype`` values) past the sinks as an 8-bit window stores and reads it
-    (``KVGuardLayer.window_tensors``): INT8 codes under the calibrated ``absmax`` ``[H, D]`` (times
-    :data:`~kvguard.config.WINDOW_HEADROOM`), decoded
-    through ``fp_dtype``. Every token passes through the window, so the history is quantized from these too."""
-    spec = QuantSpec(Precision.INT8, Axis.CHANNEL, 1, 1.0, True)
-    amax = (absmax.to(device=x.device, dtype=torch.float32) * WINDOW_HEADROOM).unsqueeze(0).unsqueeze(2)  # [1, H, 1, D]
-    scale = quantize(x[:, :, :0], spec, amax).scale.to(torch.float32)
+    (``KVGuardLayer.window_tensors``): INT8 codes under the calibrated ``absmax`` ``[H, D]`` times
+    :data:`~kvguard.config.WINDOW_HEADROOM`, decoded through ``fp_dtype``. Every token passes through the window,
+    so the history is quantized from these too."""
+    scale = static_int8_scale(absmax.to(x.device) * WINDOW_HEADROOM)[None, :, None, :]  # [H, D] -> [1, H, 1, D]
     codes = torch.clamp(torch.round(x[:, :, sinks:] / scale), -127, 127)
     return torch.cat([x[:, :, :sinks], (codes * scale).to(fp_dtype).to(torch.float32)], dim=2)
 
