@@ -49,9 +49,9 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvguard import attention, fused_attention, rotation
 from kvguard.backing import BackingStore
-from kvguard.config import WINDOW_HEADROOM, CacheConfig
+from kvguard.config import CacheConfig, window_scale
 from kvguard.precision import Precision, value_tiers
-from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize, static_int8_scale
+from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize, static_int8_codes
 
 _UNCORRECTED = ("score_correction is on, but this read dequantizes the stored keys (a chunk of more than "
                 f"{fused_attention.MAX_QUERY} tokens, or a cache off the CPU): the softmax-bias correction applies "
@@ -171,9 +171,7 @@ class KVGuardLayer(CacheLayerMixin):
             if self.key_absmax is None or self.value_absmax is None:
                 raise ValueError(f"layer {self.layer_idx}: window_bits=8 stores the window under the calibrated INT8 "
                                  "scales, and none are set (pass a profile's static scales to make_cache)")
-            # [H, D] -> [1, H, 1, D]: one scale per head and channel, shared by every token.
-            self._win_scale = tuple(static_int8_scale(a.to(self.device) * WINDOW_HEADROOM)[None, :, None, :]
-                                    for a in (self.key_absmax, self.value_absmax))
+            self._win_scale = tuple(window_scale(a.to(self.device)) for a in (self.key_absmax, self.value_absmax))
             empty = empty.to(torch.int8)
         self._win_k = self._win_v = empty
         self.is_initialized = True
@@ -433,7 +431,7 @@ class KVGuardLayer(CacheLayerMixin):
         x = x.to(self.fp_dtype)
         if self._win_scale is None:
             return x
-        return torch.clamp(torch.round(x.to(torch.float32) / self._win_scale[side]), -127, 127).to(torch.int8)
+        return static_int8_codes(x, self._win_scale[side]).to(torch.int8)
 
     def window_tensors(self, dtype: torch.dtype | None = None, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's first ``end`` tokens (all: ``None``) as keys and values ``[B, H, n, D]`` in ``dtype``

@@ -8,11 +8,18 @@ from enum import Enum
 
 import torch
 
+from kvguard.quantizer import static_int8_scale
+
 _FP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "model": None}
 # An 8-bit window's range: twice the calibrated absmax. Recent keys exceed calibration's absmax by up to 2.8x on
 # 0.02-0.3 % of values (Gemma 3, calibration code), and saturating them costs more than a coarser step: all-INT3 on
 # that text, KL +22 % over a 16-bit window at 1x, +12 % at 2x.
 WINDOW_HEADROOM = 2.0
+
+
+def window_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """An 8-bit window's scale for the calibrated ``absmax`` ``[H, D]``: ``[1, H, 1, D]``, shared by every token."""
+    return static_int8_scale(absmax * WINDOW_HEADROOM)[None, :, None, :]
 
 
 @dataclass(frozen=True)
@@ -34,9 +41,10 @@ class CacheConfig:
             channels instead of 32 cost at most 4 % more KL for 5 % fewer bytes; ``benchmarks/README.md``).
         window_bits: 16 keeps the window in ``fp_dtype``; 8 stores it as the INT8 tier does (one calibrated scale
             per KV head and channel, symmetric, over :data:`WINDOW_HEADROOM` times the calibrated range: 8 bits a
-            value and no scale bytes per token), which needs calibrated static scales. The newest token is still read as computed; tokens leave the window from their 8-bit
-            copy. Below 4 bits a 16-bit window is a large share of the bytes (13 % of all-INT3 on Gemma 3 at 2,048
-            tokens), and the INT8 tier is near-lossless (``benchmarks/README.md``).
+            value and no scale bytes per token), which needs calibrated static scales. The newest token is still
+            read as computed; tokens leave the window from their 8-bit copy. Below 4 bits a 16-bit window is a
+            large share of the bytes (13 % of all-INT3 on Gemma 3 at 2,048 tokens); the 8-bit one adds a nearly
+            fixed error, since the recent tokens draw most of the attention (``benchmarks/README.md``).
         fp_dtype: storage dtype of full-precision parts (window, sinks, ``fp16`` tiers, recomputed overlay):
             ``float16`` (what a serving engine stores), ``bfloat16``, ``float32``, or ``model`` (the dtype
             the model computes in; bit-exact with ``DynamicCache``).

@@ -240,6 +240,11 @@ def static_int8_scale(absmax: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32)
 
 
+def static_int8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x``'s symmetric INT8 codes under ``scale`` (:func:`static_int8_scale`), as float32."""
+    return torch.clamp(torch.round(x.to(torch.float32) / scale), -127, 127)
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, absmax: torch.Tensor | None = None) -> QuantizedTensor:
     """Quantize ``x`` (``[..., T, D]``, floating point) according to ``spec``.
 

@@ -22,10 +22,10 @@ import torch
 
 from kvguard import attention, rotation, score_bias as key_noise
 from kvguard.architecture import Architecture
-from kvguard.config import WINDOW_HEADROOM
+from kvguard.config import window_scale
 from kvguard.plan import Plan, StaticScales
 from kvguard.precision import Precision
-from kvguard.quantizer import Axis, QuantSpec, quantize, static_int8_scale
+from kvguard.quantizer import Axis, QuantSpec, quantize, static_int8_codes
 
 # Called for every simulated layer (``kvguard.calibration.signals`` records the monitor's evidence with it):
 # ``observer(layer, probs, quantized, k_fp, k_q, v_fp, v_q, attention_mask)``.
@@ -95,8 +95,8 @@ def _window_round(x: torch.Tensor, absmax: torch.Tensor, sinks: int, fp_dtype: t
     (``KVGuardLayer.window_tensors``): INT8 codes under the calibrated ``absmax`` ``[H, D]`` times
     :data:`~kvguard.config.WINDOW_HEADROOM`, decoded through ``fp_dtype``. Every token passes through the window,
     so the history is quantized from these too."""
-    scale = static_int8_scale(absmax.to(x.device) * WINDOW_HEADROOM)[None, :, None, :]  # [H, D] -> [1, H, 1, D]
-    codes = torch.clamp(torch.round(x[:, :, sinks:] / scale), -127, 127)
+    scale = window_scale(absmax.to(x.device))  # [1, H, 1, D]
+    codes = static_int8_codes(x[:, :, sinks:], scale)
     return torch.cat([x[:, :, :sinks], (codes * scale).to(fp_dtype).to(torch.float32)], dim=2)
 
 

@@ -54,8 +54,8 @@ DEFAULT_LAYOUT = "window-64"
 # 4 % more KL; 128 channels cost 11-12 % more KL for another 3 %). The search uses the one that stores all-INT3 in
 # fewer bytes at the calibration context (:func:`low_bit_layout`), the first on a tie, among those whose groups
 # divide the head dimension. Both keep the window in 8 bits, as the INT8 tier stores (``w8``: calibrated scales, no
-# per-token bytes): on Gemma 3's calibration text at all-INT3 that stores 6.5 % fewer bytes for 4 % more KL, where
-# the same bytes spent on codes buy far more (benchmarks/README.md, "The window in 8 bits").
+# per-token bytes): on Gemma 3's calibration text at all-INT3 that stores 6.5 % fewer bytes for 4 % (prose) / 12 %
+# (code) more KL; level 2 also scores each plan with a 16-bit window (benchmarks/README.md, "The window in 8 bits").
 LOW_BIT_LAYOUTS = ("window-32 group-64 w8", "window-16 value-group-64 w8")
 CLIP_GRID = (0.95, 0.9)
 # Low-bit memory targets as fractions of the default layout's all-INT4 bytes (B4), and the ones also searched
@@ -289,8 +289,9 @@ class Searcher:
     def wide_windows(self, candidates: list[Candidate]) -> list[Candidate]:
         """The plans whose window is in 8 bits again with it in 16, named ``<name> +w16``: the same codes for the
         window's bytes back. The 8-bit window adds a nearly fixed error (on Gemma 3's held-out text all-INT8 in the
-        low-bit layout scored KL 0.00213, in the default layout with a 16-bit window 0.00006), which the bytes it frees outweigh only where the plan's own error is larger,
-        so the frontier keeps whichever measures lower at each size."""
+        low-bit layout scored KL 0.00213, in the default layout with a 16-bit window 0.00006), which the bytes it
+        frees outweigh only where the plan's own error is larger, so the frontier keeps whichever measures lower at
+        each size."""
         todo = [(f"{c.name} +w16", c.level, c.plan.with_window_bits(16)) for c in candidates
                 if c.plan.cache.window_bits == 8]
         return self.evaluate_all(todo, "search level 2, 16-bit windows") if todo else []
