@@ -117,11 +117,20 @@ def test_low_bit_plans_are_also_scored_with_the_softmax_bias_correction(low_bit)
     assert not any("no " in c.name for c in corrected)
 
 
-def test_low_bit_plans_with_8_bit_windows_are_also_scored_with_16_bit_ones(low_bit):
-    log = {c.name: c for c in low_bit.meta.search_log}
-    wide = [c for c in log.values() if c.name.endswith(" +w16")]
-    assert wide and all(c.plan.cache.window_bits == 16 for c in wide)
-    for c in wide:
-        narrow = log[c.name.removesuffix(" +w16")]
-        assert narrow.plan.cache.window_bits == 8 and narrow.plan.layers == c.plan.layers
-        assert c.memory > narrow.memory and c.quality.kl != narrow.quality.kl  # measured, not copied
+def test_low_bit_targets_are_allocated_with_8_and_16_bit_windows(low_bit, smollm2_4_layers):
+    log = low_bit.meta.search_log
+    layout = low_bit_layout(_config(smollm2_4_layers), 512)
+    assert LAYOUTS[layout].window_bits == 8
+    wide_name = layout.removesuffix(" w8")
+    narrow = {c.name.split(", ")[1]: c for c in log if f"L2 mixed {layout} low-bit," in c.name and "+sb" not in c.name}
+    wide = {c.name.split(", ")[1]: c for c in log if f"L2 mixed {wide_name} low-bit," in c.name and "+sb" not in c.name}
+    assert wide and all(c.plan.cache == replace(LAYOUTS[layout], window_bits=16) for c in wide.values())
+    assert all(c.plan.cache.window_bits == 8 for c in narrow.values())
+    shared = set(narrow) & set(wide)  # the targets above both floors: "predicted memory <= x"
+    assert shared
+    # Allocated at the same budgets, not re-scored: the 16-bit window's bytes come out of the codes.
+    assert all(wide[t].memory <= float(t.split("<= ")[1]) + 0.01 for t in shared)
+    assert any(narrow[t].plan.layers != wide[t].plan.layers for t in shared)
+    # The 16-bit floor (all-INT2 plus the wide window) lies above the 8-bit one.
+    floor = lambda plans: min(c.memory for c in plans.values())
+    assert floor(wide) > floor(narrow)

@@ -55,7 +55,8 @@ DEFAULT_LAYOUT = "window-64"
 # fewer bytes at the calibration context (:func:`low_bit_layout`), the first on a tie, among those whose groups
 # divide the head dimension. Both keep the window in 8 bits, as the INT8 tier stores (``w8``: calibrated scales, no
 # per-token bytes): on Gemma 3's calibration text at all-INT3 that stores 6.5 % fewer bytes for 4 % (prose) / 12 %
-# (code) more KL; level 2 also scores each plan with a 16-bit window (benchmarks/README.md, "The window in 8 bits").
+# (code) more KL; level 2 also allocates its targets with a 16-bit window (:meth:`Searcher.low_bit_layouts`;
+# benchmarks/README.md, "The window in 8 bits").
 LOW_BIT_LAYOUTS = ("window-32 group-64 w8", "window-16 value-group-64 w8")
 CLIP_GRID = (0.95, 0.9)
 # Low-bit memory targets as fractions of the default layout's all-INT4 bytes (B4), and the ones also searched
@@ -233,12 +234,15 @@ class Searcher:
         return Plan(tuple(layers), layout)
 
     def level2(self, sens: Sensitivity, layout: CacheConfig, int8_kl: float, targets: list[float], *,
-               int3_ratio: float | None = None, rotate: bool = False, label: str = "") -> list[Candidate]:
-        """Plans allocated at each memory target in ``layout``; ``int3_ratio`` lets INT3 in (see
-        :meth:`unit_costs`), ``rotate`` applies the sensitivity's per-layer rotation choice."""
+               int3_ratio: float | None = None, rotate: bool = False, label: str = "",
+               name: str | None = None) -> list[Candidate]:
+        """Plans allocated at each memory target in ``layout`` (``name``: how the log calls it, by default its
+        :data:`LAYOUTS` key); ``int3_ratio`` lets INT3 in (see :meth:`unit_costs`), ``rotate`` applies the
+        sensitivity's per-layer rotation choice."""
         costs = self.unit_costs(sens, int8_kl, int3_ratio, rotated=rotate)
         rotation = sens.rotation() if rotate else None
-        name = next(n for n, c in LAYOUTS.items() if c == layout) if layout in LAYOUTS.values() else "custom"
+        if name is None:
+            name = next((n for n, c in LAYOUTS.items() if c == layout), "custom")
         todo, seen = [], set()
         for target in targets:
             plan = self.allocate(costs, layout, target, rotation)
@@ -250,29 +254,41 @@ class Searcher:
 
     def level2_low_bit(self, sens: Sensitivity, int8_kl: float, level1: list[Candidate]) -> list[Candidate]:
         """The low-bit frontier: tiers down to INT2, with INT3 and rotation, at :data:`LOW_BIT_TARGETS` of the
-        default layout's all-INT4 bytes (in the default and the low-bit layouts, above each one's all-INT2
-        floor) and at the floor itself, each also with the softmax-bias correction (:meth:`corrected`) and with a
-        16-bit window (:meth:`wide_windows`), and the same plans without rotation and without INT3 at
-        :data:`ABLATION_TARGETS`."""
+        default layout's all-INT4 bytes and at each layout's all-INT2 floor, in the layouts of
+        :meth:`low_bit_layouts`, each plan also with the softmax-bias correction (:meth:`corrected`), and the
+        same plans without rotation and without INT3 at :data:`ABLATION_TARGETS`."""
         by_name = {c.name: c for c in level1}
         b4 = by_name[f"L1 all-int4 {DEFAULT_LAYOUT}"].memory
         rot3, rot2 = (by_name.get(f"L1 all-{t}+rot {DEFAULT_LAYOUT}") for t in ("int3", "int2"))
         ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
         rotate = self.rotatable
         out, low = [], self.low_bit_layout
-        for lname in self.frontier_layouts:
-            layout = LAYOUTS[lname]
+        for lname, layout in self.low_bit_layouts():
             floor = float(self.layer_bytes(layout)[0][:, INT2].sum() / self.layer_bytes(layout)[1].sum())
             # The floor is a target too: all-INT2 with each layer's chosen rotation. Level 1's all-INT2 rotates
             # every layer, which on Gemma 3's held-out text cost 4.6x the KL (0.2496 against 0.0544).
             targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.001] + [round(floor, 4)]
-            out += self.level2(sens, layout, int8_kl, targets, int3_ratio=ratio, rotate=rotate, label=" low-bit")
+            out += self.level2(sens, layout, int8_kl, targets, int3_ratio=ratio, rotate=rotate, label=" low-bit",
+                               name=lname)
         out += self.corrected(out)
-        out += self.wide_windows(out)
         ablation = [round(f * b4, 4) for f in ABLATION_TARGETS]
         if rotate:
             out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, int3_ratio=ratio, label=" low-bit, no rotation")
         out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, rotate=rotate, label=" low-bit, no int3")
+        return out
+
+    def low_bit_layouts(self) -> list[tuple[str, CacheConfig]]:
+        """The layouts the low-bit targets are allocated in: :meth:`frontier_layouts`, and the low-bit one again
+        with its window in 16 bits (named without ``w8``). The 8-bit window adds a nearly fixed error (on Gemma
+        3's held-out text all-INT8 in the low-bit layout scored KL 0.00213, in the default layout 0.00006), which
+        the bytes it frees outweigh only where the plan's own error is larger; allocating each target in both
+        formats lets the frontier keep whichever measures lower at the same bytes. (Re-scoring the 8-bit plans
+        with a 16-bit window instead gave the wide window only at a plan's bytes plus the window's, and lost at
+        0.85 x B4: Gemma 3 0.00175 -> 0.00202, SmolLM2 0.00137 -> 0.00222.)"""
+        out = [(name, LAYOUTS[name]) for name in self.frontier_layouts]
+        low = self.low_bit_layout
+        if LAYOUTS[low].window_bits == 8:
+            out.append((low.removesuffix(" w8"), replace(LAYOUTS[low], window_bits=16)))
         return out
 
     def corrected(self, candidates: list[Candidate]) -> list[Candidate]:
@@ -285,16 +301,6 @@ class Searcher:
                 if not c.plan.cache.score_correction
                 and score_bias.corrects(p for lp in c.plan.layers for p in lp.precision)]
         return self.evaluate_all(todo, "search level 2, corrected") if todo else []
-
-    def wide_windows(self, candidates: list[Candidate]) -> list[Candidate]:
-        """The plans whose window is in 8 bits again with it in 16, named ``<name> +w16``: the same codes for the
-        window's bytes back. The 8-bit window adds a nearly fixed error (on Gemma 3's held-out text all-INT8 in the
-        low-bit layout scored KL 0.00213, in the default layout with a 16-bit window 0.00006), which the bytes it
-        frees outweigh only where the plan's own error is larger, so the frontier keeps whichever measures lower at
-        each size."""
-        todo = [(f"{c.name} +w16", c.level, c.plan.with_window_bits(16)) for c in candidates
-                if c.plan.cache.window_bits == 8]
-        return self.evaluate_all(todo, "search level 2, 16-bit windows") if todo else []
 
     # ------------------------------------------------------------------ level 3
     def level3(self, start: Candidate, sens: Sensitivity, layers: int = 2) -> list[Candidate]:
