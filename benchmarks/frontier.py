@@ -13,7 +13,12 @@ prints, per corpus, the frontier plan each target of the low-bit issue picks and
 
 with B4 the uniform ``int4`` bytes ratio measured in the same run. ``--peers`` adds transformers' caches
 (streamed token by token: minutes each), ``--llamacpp FILE`` reads llama.cpp's rows from a ``kvguard eval``
-JSON of the same tokens. The JSON is ``kvguard eval``'s, so ``kvguard report --eval`` draws it.
+JSON of the same tokens. The JSON is ``kvguard eval``'s, so ``kvguard report --eval`` draws it. It also prints,
+per corpus and peer, whether the peer lies below kvguard's frontier (:func:`peers_below`). ``--check A.json
+B.json ...`` evaluates nothing and prints both checks over existing ``kvguard eval`` JSONs of the same tokens:
+
+    .venv/bin/python benchmarks/frontier.py --check benchmarks/results/gemma3-270m-frontier-w16alloc.json \
+        benchmarks/results/gemma3-270m-ppl.json benchmarks/results/gemma3-270m-llamacpp.json
 """
 
 from __future__ import annotations
@@ -58,21 +63,51 @@ def check(rows: list[dict]) -> list[str]:
     return lines
 
 
+PEER_PREFIXES = ("kivi-", "hf-", "llamacpp-")
+REFERENCES = ("llamacpp-f16",)  # llama.cpp's own FP16 reference: no compression, KL 0 by definition
+
+
+def peers_below(rows: list[dict]) -> list[str]:
+    """Per corpus and peer: kvguard's point with the lowest KL at equal or fewer bytes, and whether the peer lies
+    below the frontier (a lower KL than every kvguard point at or under its bytes)."""
+    lines = ["| corpus | peer | bytes | KL | kvguard at or under its bytes | bytes | KL | peer below |",
+             "|---|---|---|---|---|---|---|---|"]
+    for corpus in dict.fromkeys(r["corpus"] for r in rows):
+        ok = [r for r in rows if r["corpus"] == corpus and not r.get("error") and r.get("kl") is not None]
+        mine = [r for r in ok if r["method"] == "kvguard" or r["method"].startswith("kvguard@")]
+        for peer in (r for r in ok if r["method"].startswith(PEER_PREFIXES) and r["method"] not in REFERENCES):
+            within = [r for r in mine if r["kv_bytes_ratio"] <= peer["kv_bytes_ratio"] + 1e-9]
+            best = min(within, key=lambda r: r["kl"]) if within else None
+            below = best is None or peer["kl"] < best["kl"]
+            theirs = f"{best['method']} | {best['kv_bytes_ratio']:.3f} | {best['kl']:.5f}" if best else "none | | "
+            lines.append(f"| {corpus} | {peer['method']} | {peer['kv_bytes_ratio']:.3f} | {peer['kl']:.5f} | {theirs} | "
+                         f"{'yes' if below else 'no'} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvguard import cli
     from kvguard.evaluation.harness import write_json
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--profile", required=True, type=Path)
+    p.add_argument("--model")
+    p.add_argument("--profile", type=Path)
     p.add_argument("--corpus", default="prose,code,dialog")
     p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--json", required=True, type=Path)
+    p.add_argument("--json", type=Path)
     p.add_argument("--peers", action="store_true", help=f"also {PEERS} (streamed, minutes each)")
     p.add_argument("--llamacpp", type=Path, help="a kvguard eval JSON with the llamacpp-* rows of the same tokens")
     p.add_argument("--limit", type=float, default=0.45, help="frontier points up to this many bytes of FP16")
+    p.add_argument("--check", type=Path, nargs="+", metavar="JSON",
+                   help="no evaluation: check these kvguard eval JSONs of the same tokens (targets and peers)")
     args = p.parse_args(argv)
+    if args.check:
+        rows = [r for f in args.check for r in json.loads(f.read_text())["results"]]
+        print("\n".join(check(rows) + [""] + peers_below(rows)))
+        return 0
 
+    if not (args.model and args.profile and args.json):
+        p.error("--model, --profile and --json are required unless --check is given")
     names = ["kvguard", *frontier_methods(args.profile, args.limit), *UNCALIBRATED.split(",")]
     names += PEERS.split(",") if args.peers else []
     code = cli.main(["eval", "--model", args.model, "--profile", str(args.profile), "--methods", ",".join(names),
@@ -84,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = [r for r in json.loads(args.llamacpp.read_text())["results"] if r["method"].startswith("llamacpp-")]
         payload["results"] += extra
         write_json(args.json, payload)
-    print("\n".join(check(payload["results"])))
+    print("\n".join(check(payload["results"]) + [""] + peers_below(payload["results"])))
     return 0
 
 
