@@ -17,12 +17,17 @@ test: $(STAMP) tools
 
 install: $(STAMP)
 
+# llama.cpp (requirements-peers.txt) is built for any x86-64 with AVX2 (GGML_NATIVE=OFF), not for this CPU: a native
+# build uses AMX where the CPU lists it, and a VM that lists AMX without granting it kills the process with an illegal
+# instruction (seen here: libggml-cpu's tileloadd under the llamacpp tests). --no-cache-dir because pip's wheel cache
+# does not key on CMAKE_ARGS: a native wheel built earlier on the machine would be reused.
+
 $(STAMP): requirements.txt requirements-ray.txt requirements-peers.txt src/kvguard/assets.py pyproject.toml src/kvguard/fused_attention.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q -r requirements-ray.txt
-	$(PY) -m pip install -q -r requirements-peers.txt || echo "make: llama-cpp-python could not be built (it needs cmake and a C++ compiler): the llamacpp-* methods will say so"
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q --no-cache-dir -r requirements-peers.txt || echo "make: llama-cpp-python could not be built (it needs cmake and a C++ compiler): the llamacpp-* methods will say so"
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m kvguard.fused_attention --build || echo "make: the fused decode attention could not be built (it needs g++ and ninja): decoding will dequantize the cache at every step"
 	$(PY) -m kvguard install-assets -- -q
