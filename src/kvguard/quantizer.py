@@ -236,8 +236,12 @@ def _to_scale_dtype(x: torch.Tensor, what: str) -> torch.Tensor:
 def static_int8_scale(absmax: torch.Tensor) -> torch.Tensor:
     """The scale static INT8 quantization uses for ``absmax`` at clip 1 (float16 values, as float32, same shape):
     for callers that keep their own codes under a calibrated range (the cache's 8-bit window)."""
-    scale = _to_scale_dtype(absmax.to(torch.float32).abs() / 127.0, "scale").clamp(min=_MIN_SCALE)
-    return scale.to(torch.float32)
+    return _static_scale(absmax.to(torch.float32).abs()).to(torch.float32)
+
+
+def _static_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 127`` in the scale dtype (float32 ``amax``, already clipped and non-negative)."""
+    return _to_scale_dtype(amax / 127.0, "scale").clamp(min=_MIN_SCALE)
 
 
 def static_int8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -265,9 +269,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, absmax: torch.Tensor | None = Non
 
     if spec.precision.symmetric:
         if spec.static:
-            amax = absmax.to(device=x.device, dtype=torch.float32).abs()
-            scale = _to_scale_dtype(spec.clip * amax / 127.0, "scale").clamp(min=_MIN_SCALE)
-            q = torch.clamp(torch.round(x32 / scale.to(torch.float32)), -127, 127)
+            scale = _static_scale(spec.clip * absmax.to(device=x.device, dtype=torch.float32).abs())
+            q = static_int8_codes(x32, scale.to(torch.float32))
         else:
             grouped = _group(x32, spec)
             amax = grouped.abs().amax(dim=_group_dim(spec))
