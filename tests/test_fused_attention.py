@@ -110,6 +110,25 @@ def test_an_8_bit_window_is_read_decoded():
     _check(layer, gen)
 
 
+def test_one_byte_scales_and_searched_ranges_are_read_decoded():
+    gen = torch.Generator().manual_seed(6)
+    cfg = CacheConfig(residual=6, sinks=2, group_size=8, scale_bits=8, range_search=True)
+    layer, wide = KVGuardLayer(("int3", "int2", "int4"), cfg), KVGuardLayer(("int3", "int2", "int4"), CONFIG)
+    for each in (layer, wide):
+        each.set_rotation(True, False)
+    _fill(layer, 45, gen)
+    _fill(wide, 45, torch.Generator().manual_seed(6))
+    dtypes = {part.keys.scale.dtype for run in layer._runs for part in run.parts}
+    assert dtypes == {torch.uint8, torch.float16}  # one byte for INT3 / INT2, float16 for INT4
+    # INT3 / INT2 scales and zero points take 2 of the 4 bytes per group: keys every 8 tokens per channel,
+    # values every 8 channels per token, over the 2 x 2 quantized heads' 32 history tokens.
+    assert layer.history_tokens() == 32
+    groups = B * 2 * (32 // 8 * D + 32 * D // 8)
+    assert wide.history_nbytes() - layer.history_nbytes() == 2 * groups
+    _check(layer, gen)
+    _check(layer, gen, tq=3)
+
+
 def test_several_runs_overlay_and_query_tokens():
     gen = torch.Generator().manual_seed(3)
     layer = KVGuardLayer("int4", CONFIG)

@@ -43,20 +43,22 @@ def _mixed_plan(arch: Architecture, cfg: CacheConfig, tiers: tuple[str, ...], ro
 # the FP window (present from the 5th token under an all-FP16 plan) grow CPU-dependently: 0.12 % on one AVX-512
 # CPU, 0.70 % on another with AVX-512 and AMX, where the same plan without INT2 matched within 0.006 % and without
 # rotation within 0.08 %. The plan without INT2 keeps every other part of that stream at 0.2 %.
-@pytest.mark.parametrize("model_name, tiers, rotate, value_group, drop, tolerance", [
+@pytest.mark.parametrize("model_name, tiers, rotate, value_group, drop, tolerance, layout", [
     # every tier, rotated and not, values scaled per 32 channels while keys group 16 tokens, values below their
     # keys' tier on some heads, in one stream
-    ("smollm2", ("int2", "int3", "int4", "int8", "fp16"), True, 32, True, 1e-2),
-    ("smollm2", ("int3", "int4", "int8", "fp16"), True, 32, True, 2e-3),
-    ("gemma3_6_layers", ("int2", "int4", "int8", "fp16"), False, None, False, 2e-3)],
-    ids=["smollm2-every-tier", "smollm2-every-tier-but-int2", "gemma3_6_layers"])
-def test_simulation_matches_chunk1_streaming(model_name, tiers, rotate, value_group, drop, tolerance, request):
+    ("smollm2", ("int2", "int3", "int4", "int8", "fp16"), True, 32, True, 1e-2, {}),
+    ("smollm2", ("int3", "int4", "int8", "fp16"), True, 32, True, 2e-3, {}),
+    # the same stream with one-byte scales for INT3 / INT2 and every group's range searched
+    ("smollm2", ("int2", "int3", "int4", "int8", "fp16"), True, 32, True, 1e-2, {"scale_bits": 8, "range_search": True}),
+    ("gemma3_6_layers", ("int2", "int4", "int8", "fp16"), False, None, False, 2e-3, {})],
+    ids=["smollm2-every-tier", "smollm2-every-tier-but-int2", "smollm2-one-byte-scales-searched", "gemma3_6_layers"])
+def test_simulation_matches_chunk1_streaming(model_name, tiers, rotate, value_group, drop, tolerance, layout, request):
     model, tok = request.getfixturevalue(model_name)
     arch = Architecture.from_config(model.config)
     tokens = 300
     # A small window and group so most tokens switch from full precision to quantized during the stream;
     # Gemma 3 (6 layers, a 128-token window) runs past its sliding window.
-    cfg = CacheConfig(residual=16, sinks=4, group_size=16, value_group_size=value_group)
+    cfg = CacheConfig(residual=16, sinks=4, group_size=16, value_group_size=value_group, **layout)
     plan = _mixed_plan(arch, cfg, tiers, rotate, drop)
     if drop:  # the plan does store some values below their keys
         assert any(v != k for lp in plan.layers for k, v in zip(lp.precision, lp.value_precision))

@@ -243,7 +243,6 @@ class KVGuardLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ layout
     def _layout(self) -> tuple[_PartLayout, ...]:
         """How tokens quantized now are stored: heads grouped by their key and value precisions."""
-        g = self.config.group_size
         groups: dict[tuple[Precision, Precision], list[int]] = {}
         tiers = self.head_precisions
         for h, pair in enumerate(zip(tiers, value_tiers(tiers, self.value_drop))):
@@ -259,9 +258,9 @@ class KVGuardLayer(CacheLayerMixin):
                 _PartLayout(
                     tuple(heads),
                     precision,
-                    QuantSpec(precision, Axis.CHANNEL, g, self.key_clip, static and self.key_absmax is not None),
-                    QuantSpec(value_precision, Axis.TOKEN, self.config.value_group, self.value_clip,
-                              static and self.value_absmax is not None),
+                    self.config.quant_spec(precision, Axis.CHANNEL, self.key_clip, static and self.key_absmax is not None),
+                    self.config.quant_spec(value_precision, Axis.TOKEN, self.value_clip,
+                                           static and self.value_absmax is not None),
                     low and self.key_rotation,
                     low and self.value_rotation,
                 )

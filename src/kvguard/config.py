@@ -8,7 +8,8 @@ from enum import Enum
 
 import torch
 
-from kvguard.quantizer import static_int8_scale
+from kvguard.precision import Precision
+from kvguard.quantizer import Axis, QuantSpec, static_int8_scale
 
 _FP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "model": None}
 # An 8-bit window's range: twice the calibrated absmax. Recent keys exceed calibration's absmax by up to 2.8x on
@@ -48,6 +49,12 @@ class CacheConfig:
         fp_dtype: storage dtype of full-precision parts (window, sinks, ``fp16`` tiers, recomputed overlay):
             ``float16`` (what a serving engine stores), ``bfloat16``, ``float32``, or ``model`` (the dtype
             the model computes in; bit-exact with ``DynamicCache``).
+        scale_bits: 16 stores every group's scale and zero point in float16; 8 stores those of the INT3 and INT2
+            tiers in one byte each (:mod:`kvguard.scale_codes`): at INT2 with groups of 32 that is 2.5 bits a
+            value instead of 3. INT4 keeps float16 (its narrow steps need a finer zero point).
+        range_search: each group of the INT4 / INT3 / INT2 tiers picks the range that reads it back with the
+            smallest squared error among a few shrinkings of its ``[min, max]`` (:mod:`kvguard.quantizer`); the
+            format is unchanged, quantizing takes a few times longer.
         key_clip / value_clip: default clipping ratios (calibration sets per-layer ones).
         score_correction: subtract the softmax bias that rounding noise adds to the scores of keys stored below
             INT8 (:mod:`kvguard.score_bias`; no storage). Applied where attention reads the codes: the fused
@@ -60,6 +67,8 @@ class CacheConfig:
     group_size: int = 32
     value_group_size: int | None = None
     window_bits: int = 16
+    scale_bits: int = 16
+    range_search: bool = False
     fp_dtype: str = "float16"
     key_clip: float = 1.0
     value_clip: float = 1.0
@@ -74,6 +83,8 @@ class CacheConfig:
             raise ValueError(f"value_group_size must be >= 1 (or None: as group_size), got {self.value_group_size}")
         if self.window_bits not in (8, 16):
             raise ValueError(f"window_bits must be 16 (fp_dtype) or 8 (the INT8 tier's format), got {self.window_bits}")
+        if self.scale_bits not in (8, 16):
+            raise ValueError(f"scale_bits must be 16 (float16 scales) or 8 (one byte for INT3 / INT2), got {self.scale_bits}")
         if self.fp_dtype not in _FP_DTYPES:
             raise ValueError(f"fp_dtype has to be one of {list(_FP_DTYPES)} but got {self.fp_dtype!r}")
         for name in ("key_clip", "value_clip"):
@@ -84,6 +95,14 @@ class CacheConfig:
     def value_group(self) -> int:
         """Channels per value scale."""
         return self.group_size if self.value_group_size is None else self.value_group_size
+
+    def quant_spec(self, precision: Precision, axis: Axis, clip: float, static: bool = False) -> QuantSpec:
+        """How this layout quantizes keys (``Axis.CHANNEL``) or values (``Axis.TOKEN``) at ``precision``."""
+        group = self.group_size if axis is Axis.CHANNEL else self.value_group
+        if precision.symmetric:
+            return QuantSpec(precision, axis, group, clip, static)
+        scale_bits = self.scale_bits if precision.bits <= 3 else 16
+        return QuantSpec(precision, axis, group, clip, static, scale_bits, self.range_search)
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype full-precision parts are stored in, for a model computing in ``model_dtype``."""
@@ -97,6 +116,10 @@ class CacheConfig:
             del out["value_group_size"]  # likewise
         if self.window_bits == 16:
             del out["window_bits"]  # likewise
+        if self.scale_bits == 16:
+            del out["scale_bits"]  # likewise
+        if not self.range_search:
+            del out["range_search"]  # likewise
         return out
 
     @classmethod

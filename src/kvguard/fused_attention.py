@@ -159,13 +159,14 @@ def _codes(x: QuantizedTensor, batch: int, heads: int) -> tuple:
     scale entry (see ``fused_attention.cpp``)."""
     spec, (tokens, dim) = x.spec, x.shape[-2:]
     codes = x.qdata.view(torch.uint8) if x.qdata.dtype == torch.int8 else x.qdata
-    zero = x.zero_point if x.zero_point is not None else torch.empty(0, dtype=x.scale.dtype)
+    scale, zero = x.scales(), x.zeros()  # float16, decoded where stored in one byte
+    zero = zero if zero is not None else torch.empty(0, dtype=scale.dtype)
     if spec.static:
         # One calibrated [1, h, 1, D] scale shared by every token: row 0 for all of them.
-        return codes, x.scale.expand(batch, heads, 1, dim), zero, 8, max(tokens, 1), 1
+        return codes, scale.expand(batch, heads, 1, dim), zero, 8, max(tokens, 1), 1
     if spec.axis is Axis.CHANNEL:
-        return codes, x.scale, zero, spec.precision.bits, spec.group_size, 1
-    return codes, x.scale, zero, spec.precision.bits, 1, spec.group_size
+        return codes, scale, zero, spec.precision.bits, spec.group_size, 1
+    return codes, scale, zero, spec.precision.bits, 1, spec.group_size
 
 
 def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegment, correct: bool = False) -> None:

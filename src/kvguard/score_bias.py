@@ -52,6 +52,6 @@ def correction(query: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
     q2 = query.square()
     if keys.spec.axis is Axis.CHANNEL:
         # One step per channel and group: one small product per group, then repeated over its tokens.
-        per_group = q2 @ _variance(keys.scale).transpose(-1, -2)  # [B, h, R, T / G]
+        per_group = q2 @ _variance(keys.scales()).transpose(-1, -2)  # [B, h, R, T / G]
         return -0.5 * per_group.repeat_interleave(keys.spec.group_size, dim=-1)[..., :tokens]
-    return -0.5 * (q2 @ step_variance(keys.scale, keys.spec, tokens, dim).transpose(-1, -2))
+    return -0.5 * (q2 @ step_variance(keys.scales(), keys.spec, tokens, dim).transpose(-1, -2))

@@ -22,7 +22,7 @@ import torch
 
 from kvguard import attention, rotation, score_bias as key_noise
 from kvguard.architecture import Architecture
-from kvguard.config import window_scale
+from kvguard.config import CacheConfig, window_scale
 from kvguard.plan import Plan, StaticScales
 from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantSpec, quantize, static_int8_codes
@@ -64,20 +64,20 @@ def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tens
     return end, switch
 
 
-def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axis, group_size: int,
+def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axis, cache: CacheConfig,
                     clip: float, absmax: torch.Tensor | None = None, rot: torch.Tensor | None = None,
                     codec: Codec | None = None, layer: int = 0) -> torch.Tensor:
     """``x`` ``[B, H, T, D]`` with positions ``[start, end)`` replaced by their quantize-dequantize values,
     each KV head at its own precision (fp16 heads unchanged; int8 heads with the calibrated ``absmax``
     ``[H, D]`` when given; heads below INT8 through the rotation with the ``[H, D]`` signs ``rot`` when given, as the
-    cache stores them)."""
+    ``cache`` layout stores them)."""
     out = x.clone()
     if end <= start:
         return out
     for h, precision in enumerate(precisions):
         if precision.is_quantized:
             static = precision is Precision.INT8 and absmax is not None
-            spec = QuantSpec(precision, axis, group_size, clip, static)
+            spec = cache.quant_spec(precision, axis, clip, static)
             amax = absmax[h].view(1, 1, 1, -1) if static else None  # one scale per channel, shared by tokens
             part = x[:, h:h + 1, start:end]  # [B, 1, T', D]
             keys = axis is Axis.CHANNEL
@@ -100,7 +100,7 @@ def _window_round(x: torch.Tensor, absmax: torch.Tensor, sinks: int, fp_dtype: t
     return torch.cat([x[:, :, :sinks], (codes * scale).to(fp_dtype).to(torch.float32)], dim=2)
 
 
-def _key_step_variance(k_fp: torch.Tensor, precisions, start: int, end: int, group_size: int, clip: float,
+def _key_step_variance(k_fp: torch.Tensor, precisions, start: int, end: int, cache: CacheConfig, clip: float,
                        rot: torch.Tensor | None) -> torch.Tensor:
     """``[B, H, T, D]``: the rounding-noise variance of every key element positions ``[start, end)`` store, in the
     rotated basis where the keys are rotated; 0 where :func:`kvguard.score_bias.applies` says no correction."""
@@ -108,13 +108,13 @@ def _key_step_variance(k_fp: torch.Tensor, precisions, start: int, end: int, gro
     for h, precision in enumerate(precisions):
         if end <= start or not precision.is_quantized:
             continue
-        spec = QuantSpec(precision, Axis.CHANNEL, group_size, clip)
+        spec = cache.quant_spec(precision, Axis.CHANNEL, clip)
         if not key_noise.applies(spec):
             continue
         part = k_fp[:, h:h + 1, start:end]  # [B, 1, T', D]
         if rot is not None:
             part = rotation.rotate(part, rot[h:h + 1])
-        scale = quantize(part, spec).scale
+        scale = quantize(part, spec).scales()
         var[:, h:h + 1, start:end] = key_noise.step_variance(scale, spec, end - start, k_fp.shape[-1])
     return var
 
@@ -124,7 +124,7 @@ def _score_correction(query: torch.Tensor, k_fp: torch.Tensor, plan: Plan, layer
     it to keys read from their codes (``query`` times the score scaling; the caller masks it to those keys)."""
     lp = plan.layers[layer]
     rot = rotation.signs(k_fp.shape[-1], k_fp.shape[1], layer, k_fp.device) if lp.key_rotation else None
-    var = _key_step_variance(k_fp, lp.precision, plan.cache.sinks, end, plan.cache.group_size, lp.key_clip, rot)
+    var = _key_step_variance(k_fp, lp.precision, plan.cache.sinks, end, plan.cache, lp.key_clip, rot)
     rep = query.shape[1] // k_fp.shape[1]
     q = query if rot is None else rotation.rotate(query, rot.repeat_interleave(rep, dim=0))
     return -0.5 * (q.square() @ attention.expand_kv(var, rep).transpose(-1, -2))
@@ -150,7 +150,7 @@ class _SimulationHook:
         fp_dtype = plan.cache.storage_dtype(key.dtype)
         k_fp, v_fp = key.to(fp_dtype).to(torch.float32), value.to(fp_dtype).to(torch.float32)
         end, switch = quantize_switch_points(t, plan)
-        s, g, vg = plan.cache.sinks, plan.cache.group_size, plan.cache.value_group
+        s = plan.cache.sinks
         if plan.cache.window_bits == 8:
             if k_absmax is None:
                 raise ValueError("window_bits=8 stores the window under the calibrated INT8 scales: pass scales")
@@ -158,9 +158,9 @@ class _SimulationHook:
         rot = None
         if lp.key_rotation or lp.value_rotation:
             rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
-        k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, g, lp.key_clip, k_absmax,
+        k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, plan.cache, lp.key_clip, k_absmax,
                               rot if lp.key_rotation else None, self.codec, layer_idx)
-        v_q = _quantized_copy(v_fp, lp.value_precision, s, end, Axis.TOKEN, vg, lp.value_clip, v_absmax,
+        v_q = _quantized_copy(v_fp, lp.value_precision, s, end, Axis.TOKEN, plan.cache, lp.value_clip, v_absmax,
                               rot if lp.value_rotation else None, self.codec, layer_idx)
         rep = query.shape[1] // key.shape[1]
 

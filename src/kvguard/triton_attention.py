@@ -239,13 +239,14 @@ class _Codes:
     def of(cls, qt: QuantizedTensor) -> "_Codes":
         spec = qt.spec
         b, h, t, d = qt.shape
+        stored = qt.scales()  # float16, decoded where stored in one byte
         if spec.static:  # calibrated INT8: one scale per channel, shared by every sequence and token
-            scale, gt, gd = qt.scale.expand(b, h, t, d), 1, 1
+            scale, gt, gd = stored.expand(b, h, t, d), 1, 1
         elif spec.axis is Axis.CHANNEL:
-            scale, gt, gd = qt.scale, spec.group_size, 1
+            scale, gt, gd = stored, spec.group_size, 1
         else:
-            scale, gt, gd = qt.scale, 1, spec.group_size
-        zero = scale if qt.zero_point is None else qt.zero_point
+            scale, gt, gd = stored, 1, spec.group_size
+        zero = scale if qt.zero_point is None else qt.zeros()
         if zero.stride() != scale.stride():  # the kernels index both with the scale's strides
             scale, zero = scale.contiguous(), zero.contiguous()
         return cls(qt.qdata, scale, zero, spec.precision.bits, gt, gd)

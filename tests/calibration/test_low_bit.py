@@ -43,8 +43,8 @@ def test_low_bit_layout_is_the_one_that_stores_int3_in_fewer_bytes():
     smol, gemma = _config("smollm2-135m"), _config("gemma3-270m")
     # SmolLM2 holds all 2,048 tokens in every layer: halving the scale bytes (groups of 64) saves more than
     # halving the FP window. Gemma 3's sliding layers hold 512 tokens, where the window is the larger share.
-    short = "window-16 value-group-64 w8"
-    cases = ((smol, "window-32 group-64 w8", short), (gemma, short, "window-32 group-64 w8"))
+    short = "window-16 value-group-64 w8 s8"
+    cases = ((smol, "window-32 group-64 w8 s8", short), (gemma, short, "window-32 group-64 w8 s8"))
     for config, chosen, other in cases:
         assert low_bit_layout(config, 2048) == chosen
         arch = Architecture.from_config(config)
@@ -121,7 +121,7 @@ def test_low_bit_targets_are_allocated_with_8_and_16_bit_windows(low_bit, smollm
     log = low_bit.meta.search_log
     layout = low_bit_layout(_config(smollm2_4_layers), 512)
     assert LAYOUTS[layout].window_bits == 8
-    wide_name = layout.removesuffix(" w8")
+    wide_name = layout.replace(" w8", "")
     narrow = {c.name.split(", ")[1]: c for c in log if f"L2 mixed {layout} low-bit," in c.name and "+sb" not in c.name}
     wide = {c.name.split(", ")[1]: c for c in log if f"L2 mixed {wide_name} low-bit," in c.name and "+sb" not in c.name}
     assert wide and all(c.plan.cache == replace(LAYOUTS[layout], window_bits=16) for c in wide.values())

@@ -42,8 +42,10 @@ from kvguard.profile import Candidate
 # Cache layouts level 1 tries: the default (FP window 64, groups of 32), a shorter FP window, larger groups
 # (half the scale / zero-point bytes), and the low-bit layouts.
 LAYOUTS = {"window-64": CacheConfig(), "window-32": CacheConfig(residual=32), "group-64": CacheConfig(group_size=64),
-           "window-32 group-64 w8": CacheConfig(residual=32, group_size=64, window_bits=8),
-           "window-16 value-group-64 w8": CacheConfig(residual=16, value_group_size=64, window_bits=8)}
+           "window-32 group-64 w8 s8": CacheConfig(residual=32, group_size=64, window_bits=8, scale_bits=8,
+                                                   range_search=True),
+           "window-16 value-group-64 w8 s8": CacheConfig(residual=16, value_group_size=64, window_bits=8, scale_bits=8,
+                                                         range_search=True)}
 DEFAULT_LAYOUT = "window-64"
 # Below 3 bits the FP window and the scales are a third of the bytes, so the low-bit frontier lives in a layout
 # that shrinks one of them, and which one pays more depends on the model. Groups of 64 halve the scale bytes; a
@@ -56,8 +58,12 @@ DEFAULT_LAYOUT = "window-64"
 # divide the head dimension. Both keep the window in 8 bits, as the INT8 tier stores (``w8``: calibrated scales, no
 # per-token bytes): on Gemma 3's calibration text at all-INT3 that stores 6.5 % fewer bytes for 4 % (prose) / 12 %
 # (code) more KL; level 2 also allocates its targets with a 16-bit window (:meth:`Searcher.low_bit_layouts`;
-# benchmarks/README.md, "The window in 8 bits").
-LOW_BIT_LAYOUTS = ("window-32 group-64 w8", "window-16 value-group-64 w8")
+# benchmarks/README.md, "The window in 8 bits"). Both also store the INT3 / INT2 groups' scales and zero points in
+# one byte each and search every group's range (``s8``: ``CacheConfig.scale_bits`` / ``range_search``). On the
+# calibration text with the 8-bit window, all heads rotated (``benchmarks/scale_bytes.py``), SmolLM2 all-INT2
+# went from 0.1685 of FP16's bytes at KL 0.0653 to 0.1534 at 0.0357, Gemma 3 from 0.1855 at 0.252 to 0.1629 at
+# 0.0696; all-INT3 from 0.229 at 0.00914 to 0.214 at 0.00719 (SmolLM2) and 0.246 at 0.0163 to 0.223 at 0.0149.
+LOW_BIT_LAYOUTS = ("window-32 group-64 w8 s8", "window-16 value-group-64 w8 s8")
 CLIP_GRID = (0.95, 0.9)
 # Low-bit memory targets as fractions of the default layout's all-INT4 bytes (B4), and the ones also searched
 # without rotation and without INT3 (the ablation at a fixed budget, kept in the search log).
@@ -279,7 +285,7 @@ class Searcher:
 
     def low_bit_layouts(self) -> list[tuple[str, CacheConfig]]:
         """The layouts the low-bit targets are allocated in: :meth:`frontier_layouts`, and the low-bit one again
-        with its window in 16 bits (named without ``w8``). The 8-bit window adds a nearly fixed error (on Gemma
+        with its window in 16 bits (named without ``w8``: "window-16 value-group-64 s8"). The 8-bit window adds a nearly fixed error (on Gemma
         3's held-out text all-INT8 in the low-bit layout scored KL 0.00213, in the default layout 0.00006), which
         the bytes it frees outweigh only where the plan's own error is larger; allocating each target in both
         formats lets the frontier keep whichever measures lower at the same bytes. (Re-scoring the 8-bit plans
@@ -288,7 +294,7 @@ class Searcher:
         out = [(name, LAYOUTS[name]) for name in self.frontier_layouts]
         low = self.low_bit_layout
         if LAYOUTS[low].window_bits == 8:
-            out.append((low.removesuffix(" w8"), replace(LAYOUTS[low], window_bits=16)))
+            out.append((low.replace(" w8", ""), replace(LAYOUTS[low], window_bits=16)))
         return out
 
     def corrected(self, candidates: list[Candidate]) -> list[Candidate]:
