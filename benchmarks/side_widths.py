@@ -33,7 +33,8 @@ def _codec(values):
     from kvguard.quantizer import quantize
 
     def codec(x, spec, layer, keys):
-        spec = spec if keys else replace(spec, precision=values)
+        # One-byte scales are for INT3 / INT2 only (kvguard.scale_codes): INT4 values keep float16 ones.
+        spec = spec if keys else replace(spec, precision=values, scale_bits=spec.scale_bits if values.bits <= 3 else 16)
         return quantize(x, spec).dequantize(torch.float32)
 
     return codec

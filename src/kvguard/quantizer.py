@@ -320,10 +320,10 @@ def quantize(x: torch.Tensor, spec: QuantSpec, absmax: torch.Tensor | None = Non
     if spec.clip < 1.0:
         lo, hi = _shrink(lo, hi, spec.clip)
     if spec.range_search:
-        q, scale, zero = _searched_grid(grouped, lo, hi, spec)
+        scale, zero, s32, z32 = _searched_grid(grouped, lo, hi, spec)
     else:
-        q, scale, zero = _fit(grouped, lo, hi, spec)[:3]
-    codes = q.to(torch.uint8).reshape(x.shape)
+        scale, zero, s32, z32 = _grid(lo, hi, spec)
+    codes = _codes(grouped, s32, z32, spec).to(torch.uint8).reshape(x.shape)
     return QuantizedTensor(packing.pack(codes, bits), scale, zero, spec, tuple(x.shape))
 
 
@@ -338,33 +338,37 @@ def _shrink(lo: torch.Tensor, hi: torch.Tensor, factor: float) -> tuple[torch.Te
     return centre - half, centre + half
 
 
-def _fit(grouped: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec):
-    """``(codes float32 [grouped's shape], stored scale, stored zero, read-back float32)`` of ``grouped`` on the
-    grid of ``spec``'s format that covers each group's ``[lo, hi]``."""
+def _grid(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec):
+    """``(stored scale, stored zero, scale, zero)`` of the grids of ``spec``'s format that cover each group's
+    ``[lo, hi]``: as stored (float16, or one-byte codes) and as float32 values."""
     if spec.scale_bits == 8:
         scale, zero = scale_codes.encode(lo, hi, spec.levels)
         s32 = scale_codes.decode_scale(scale).to(torch.float32)
-        z32 = scale_codes.decode_zero(zero, s32).to(torch.float32)
-    else:
-        scale = _to_scale_dtype((hi - lo) / (spec.levels - 1), "scale").clamp(min=_MIN_SCALE)
-        zero = _to_scale_dtype(lo, "zero point")
-        s32, z32 = scale.to(torch.float32), zero.to(torch.float32)
-    s32, z32 = _expand(s32, spec), _expand(z32, spec)
-    q = torch.clamp(torch.round((grouped - z32) / s32), 0, spec.levels - 1)
-    return q, scale, zero, q * s32 + z32
+        return scale, zero, s32, scale_codes.decode_zero(zero, s32).to(torch.float32)
+    scale = _to_scale_dtype((hi - lo) / (spec.levels - 1), "scale").clamp(min=_MIN_SCALE)
+    zero = _to_scale_dtype(lo, "zero point")
+    return scale, zero, scale.to(torch.float32), zero.to(torch.float32)
+
+
+def _codes(grouped: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """float32 codes of ``grouped`` on the grids ``scale`` / ``zero`` (float32, one per group)."""
+    q = torch.round((grouped - _expand(zero, spec)) / _expand(scale, spec))
+    return torch.clamp(q, 0, spec.levels - 1)
 
 
 def _searched_grid(grouped: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec):
-    """``(codes, stored scale, stored zero)``: per group, the :data:`RANGE_CANDIDATES` shrinking of ``[lo, hi]``
-    whose grid reads the group back with the smallest squared error (the widest on a tie)."""
+    """:func:`_grid` of the :data:`RANGE_CANDIDATES` shrinking of ``[lo, hi]`` that reads each group back with the
+    smallest squared error (the widest on a tie)."""
     best = None
     for i in range(RANGE_CANDIDATES):
-        q, scale, zero, read = _fit(grouped, *_shrink(lo, hi, 1 - i * 0.28 / spec.levels), spec)
-        err = (read - grouped).square().sum(dim=_group_dim(spec))
+        grid = _grid(*_shrink(lo, hi, 1 - i * 0.28 / spec.levels), spec)
+        # (code - u) * scale is the read-back error of a value at u steps above the zero point; in place, since
+        # this runs over the whole tensor once per candidate.
+        u = (grouped - _expand(grid[3], spec)).div_(_expand(grid[2], spec))
+        err = u.round().clamp_(0, spec.levels - 1).sub_(u).square_().sum(dim=_group_dim(spec)) * grid[2].square()
         if best is None:
-            best = [q, scale, zero, err]
+            best = [*grid, err]
             continue
-        better = err < best[3]
-        best = [torch.where(_expand(better, spec), q, best[0]), torch.where(better, scale, best[1]),
-                torch.where(better, zero, best[2]), torch.where(better, err, best[3])]
-    return best[0], best[1], best[2]
+        better = err < best[4]
+        best = [torch.where(better, new, old) for new, old in zip((*grid, err), best)]
+    return tuple(best[:4])
