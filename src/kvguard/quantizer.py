@@ -27,8 +27,10 @@ Two options of the asymmetric tiers (``QuantSpec``):
   :data:`RANGE_CANDIDATES` shrinkings of it (about its centre, after ``clip``) gives the smallest squared error of
   the group itself. At 2 bits ``[min, max]`` is far from the best grid: the error-optimal 4-level grid of a
   Gaussian spans about 3 standard deviations, the range of 32 samples about 4. Measured on SmolLM2's calibration
-  text (rotated, groups of 32, one-byte scales): squared error -39 % (INT2 keys), -36 % (INT2 values), -15 % /
-  -15 % (INT3). The stored format is the same; only the encoder chooses differently.
+  text (rotated, groups of 32, float16 scales, an earlier set of six shrinkings down to 0.75): squared error -35 %
+  (INT2 keys), -34 % (INT2 values), -15 % / -15 % (INT3). Squared error is not attention's error: at INT4, and at
+  INT3 with float16 scales, it raised the KL (``benchmarks/scale_bytes.py``). The stored format is the same; only
+  the encoder chooses differently.
 
 Rules: a scale is never below float16's smallest normal number (6.1e-5), which makes constant (zero-range)
 groups exact instead of a division by zero; non-finite input raises ``ValueError``; ``round`` is

@@ -11,7 +11,7 @@ tokens store 2 bits of code and 1 bit of scale and zero point per value. Here ea
   a level beforehand so the top of the grid still reaches the group's maximum. Where ``|min|`` is more than 8
   steps (a group far from zero and narrow, e.g. an unrotated key channel at INT4), the step is widened until
   it fits: that is why only INT3 and INT2 use this format (measured on SmolLM2's calibration keys, unrotated
-  INT4: 1.9x the squared error of float16 scales; rotated INT2: 1.12x).
+  INT4: 1.9x the squared error of float16 scales; rotated INT2: 1.16x).
 
 Decoding is a table lookup and one multiply, and quantization uses exactly the decoded numbers, so a stored
 group reads back as it was quantized.
