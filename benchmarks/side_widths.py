@@ -14,12 +14,11 @@ The calibration split is what chose the search's options; ``--split eval`` measu
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import sys
 from dataclasses import replace
 
+import fixed_plans
 import torch
 
 
@@ -40,18 +39,16 @@ def _codec(values):
     return codec
 
 
-def _row(model, ids, pair, layout, reference, ref_nll) -> dict:
+def _row(model, stream, pair, layout) -> dict:
     from kvguard.architecture import Architecture
     from kvguard.evaluation import methods
-    from kvguard.evaluation.scoring import score_logits
     from kvguard.plan import Plan
     from kvguard.precision import Precision
-    from kvguard.simulate import simulate_logits
 
     arch = Architecture.from_config(model.config)
     keys, values = (Precision.parse(p) for p in pair.split("/"))
     drop = _drop(keys, values)
-    tokens = ids.numel() - 1
+    tokens = stream.ids.numel() - 1
 
     def uniform(tier, d=0):
         return Plan.uniform(arch, tier, layout).with_rotation(True, True).with_value_drop(d)
@@ -63,48 +60,28 @@ def _row(model, ids, pair, layout, reference, ref_nll) -> dict:
         plan, codec = uniform(keys), _codec(values)
         (k_bytes, fp16), (v_bytes, _) = (methods.static_kv_bytes(uniform(t), model.config, tokens) for t in (keys, values))
         stored = (k_bytes + v_bytes) / 2
-    score = score_logits(ids, [simulate_logits(model, ids[:-1], plan, codec=codec)], reference=reference)
-    return {"pair": pair, "bytes_ratio": stored / fp16, "kl": score.kl,
-            "ppl_delta_pct": 100.0 * (math.exp(score.nll - ref_nll) - 1.0), "top1_agree": score.top1_agree}
+    return {"pair": pair, "bytes_ratio": stored / fp16, **fixed_plans.score(model, stream, plan, codec)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvguard import data, models
-    from kvguard.architecture import Architecture
-    from kvguard.calibration.search import LAYOUTS, low_bit_layout
-    from kvguard.evaluation.scoring import score_simulated
-    from kvguard.plan import Plan
+    from kvguard.calibration.search import LAYOUTS
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gemma3-270m")
-    p.add_argument("--split", default="calib", choices=("calib", "eval"))
-    p.add_argument("--corpus", default="prose,code")
-    p.add_argument("--tokens", type=int, default=2048)
+    p = fixed_plans.parser(__doc__, "gemma3-270m", 2048)
     p.add_argument("--pairs", default="int3/int3,int3/int2,int2/int3,int2/int2,int4/int3,int4/int2,int3/int4")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    model, tok = models.load(args.model)
-    arch = Architecture.from_config(model.config)
-    layout_name = low_bit_layout(model.config, args.tokens)
-    print(f"{args.model}: layout {layout_name}, {args.split} split, {args.tokens} tokens", flush=True)
+    model, tok, arch, layout_name = fixed_plans.setup(args)
+    # The window in 16 bits: these uniform plans have no calibrated scales (and the table predates w8).
+    layout = replace(LAYOUTS[layout_name], window_bits=16)
     rows = []
-    for corpus in args.corpus.split(","):
-        ids = data.token_stream(corpus, args.split, tok, args.tokens)
-        fp = score_simulated(model, ids, Plan.uniform(arch, "fp16"), keep_logits=True)
-        reference = torch.log_softmax(fp.logits, dim=-1)
+    for stream in fixed_plans.streams(model, tok, arch, args):
         for pair in args.pairs.split(","):
-            # The window in 16 bits: these uniform plans have no calibrated scales (and the table predates w8).
-            layout = replace(LAYOUTS[layout_name], window_bits=16)
-            row = {"corpus": corpus, **_row(model, ids, pair, layout, reference, fp.nll)}
+            row = {"corpus": stream.corpus, **_row(model, stream, pair, layout)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| corpus | keys / values | bytes / FP16 | KL | ppl change |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['corpus']} | {r['pair']} | {r['bytes_ratio']:.3f} | {r['kl']:.5f} | {r['ppl_delta_pct']:+.2f} % |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "split": args.split, "tokens": args.tokens, "layout": layout_name,
-                       "rows": rows}, f, indent=1)
+    fixed_plans.write_json(args, layout_name, rows)
     return 0
 
 

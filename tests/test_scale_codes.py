@@ -90,8 +90,16 @@ def test_specs_refuse_what_their_format_cannot_store():
 def test_a_layout_gives_one_byte_scales_to_int3_and_int2_only():
     cfg = CacheConfig(scale_bits=8, range_search=True, value_group_size=64)
     assert cfg.quant_spec(Precision.INT2, Axis.TOKEN, 1.0) == QuantSpec("int2", Axis.TOKEN, 64, 1.0, False, 8, True)
-    assert cfg.quant_spec(Precision.INT3, Axis.CHANNEL, 0.9).scale_bits == 8
-    assert cfg.quant_spec(Precision.INT4, Axis.CHANNEL, 1.0) == QuantSpec("int4", Axis.CHANNEL, 32, 1.0, False, 16, True)
+    assert cfg.quant_spec(Precision.INT3, Axis.CHANNEL, 0.9) == QuantSpec("int3", Axis.CHANNEL, 32, 0.9, False, 8, True)
+    assert cfg.quant_spec(Precision.INT4, Axis.CHANNEL, 1.0) == QuantSpec("int4", Axis.CHANNEL, 32, 1.0, False, 16, False)
     assert cfg.quant_spec(Precision.INT8, Axis.CHANNEL, 1.0, static=True) == QuantSpec("int8", Axis.CHANNEL, 32, 1.0, True)
     assert CacheConfig.from_dict(cfg.to_dict()) == cfg
     assert "scale_bits" not in CacheConfig().to_dict() and "range_search" not in CacheConfig().to_dict()
+
+
+def test_a_layout_searches_ranges_only_for_int2_and_one_byte_int3():
+    wide = CacheConfig(range_search=True)  # float16 scales everywhere
+    assert wide.quant_spec(Precision.INT2, Axis.CHANNEL, 1.0).range_search
+    assert not wide.quant_spec(Precision.INT3, Axis.CHANNEL, 1.0).range_search
+    assert not wide.quant_spec(Precision.INT4, Axis.TOKEN, 1.0).range_search
+    assert not CacheConfig(scale_bits=8).quant_spec(Precision.INT2, Axis.TOKEN, 1.0).range_search

@@ -52,9 +52,12 @@ class CacheConfig:
         scale_bits: 16 stores every group's scale and zero point in float16; 8 stores those of the INT3 and INT2
             tiers in one byte each (:mod:`kvguard.scale_codes`): at INT2 with groups of 32 that is 2.5 bits a
             value instead of 3. INT4 keeps float16 (its narrow steps need a finer zero point).
-        range_search: each group of the INT4 / INT3 / INT2 tiers picks the range that reads it back with the
-            smallest squared error among a few shrinkings of its ``[min, max]`` (:mod:`kvguard.quantizer`); the
-            format is unchanged, quantizing takes a few times longer.
+        range_search: each group of the INT2 tier, and of the INT3 tier when its scales take one byte, picks the
+            range that reads it back with the smallest squared error among a few shrinkings of its ``[min, max]``
+            (:mod:`kvguard.quantizer`); the format is unchanged, quantizing takes a few times longer. INT4 and
+            float16-scaled INT3 keep ``[min, max]``: there the searched grid clips the large values attention
+            needs, and on SmolLM2's calibration text (rotated, fixed uniform plans) it raised the KL by 3-19 %
+            (``benchmarks/scale_bytes.py``), while it cut INT2's by 27-46 % and one-byte INT3's by 7-28 %.
         key_clip / value_clip: default clipping ratios (calibration sets per-layer ones).
         score_correction: subtract the softmax bias that rounding noise adds to the scores of keys stored below
             INT8 (:mod:`kvguard.score_bias`; no storage). Applied where attention reads the codes: the fused
@@ -102,7 +105,8 @@ class CacheConfig:
         if precision.symmetric:
             return QuantSpec(precision, axis, group, clip, static)
         scale_bits = self.scale_bits if precision.bits <= 3 else 16
-        return QuantSpec(precision, axis, group, clip, static, scale_bits, self.range_search)
+        search = self.range_search and (precision.bits == 2 or scale_bits == 8)  # where it lowered the KL
+        return QuantSpec(precision, axis, group, clip, static, scale_bits, search)
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype full-precision parts are stored in, for a model computing in ``model_dtype``."""

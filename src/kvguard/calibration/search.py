@@ -59,7 +59,7 @@ DEFAULT_LAYOUT = "window-64"
 # per-token bytes): on Gemma 3's calibration text at all-INT3 that stores 6.5 % fewer bytes for 4 % (prose) / 12 %
 # (code) more KL; level 2 also allocates its targets with a 16-bit window (:meth:`Searcher.low_bit_layouts`;
 # benchmarks/README.md, "The window in 8 bits"). Both also store the INT3 / INT2 groups' scales and zero points in
-# one byte each and search every group's range (``s8``: ``CacheConfig.scale_bits`` / ``range_search``). On
+# one byte each and search those groups' ranges (``s8``: ``CacheConfig.scale_bits`` / ``range_search``). On
 # SmolLM2's calibration prose, all heads rotated (``benchmarks/scale_bytes.py``), all-INT2 went from 0.197 of
 # FP16's bytes at KL 0.060 to 0.174 at 0.047, all-INT3 from 0.258 at 0.00675 to 0.235 at 0.00666; the search's
 # floors fell from 0.191 to 0.168 (Gemma 3) and 0.168 to 0.153 (SmolLM2) of FP16's bytes.
