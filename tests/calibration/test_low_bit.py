@@ -10,7 +10,7 @@ from kvguard import models
 from kvguard.architecture import Architecture
 from kvguard.calibration.pipeline import calibrate
 from kvguard.calibration.sensitivity import Sensitivity
-from kvguard.calibration.search import DEFAULT_LAYOUT, LAYOUTS, LOW_BIT_LAYOUTS, low_bit_layout
+from kvguard.calibration.search import DEFAULT_LAYOUT, LAYOUTS, LOW_BIT_LAYOUTS, WIDE_SCALES_FROM, low_bit_layout
 from kvguard.evaluation import methods
 from kvguard.plan import Plan
 from kvguard.precision import Precision
@@ -133,3 +133,19 @@ def test_low_bit_targets_are_allocated_with_8_and_16_bit_windows(low_bit, smollm
     assert any(narrow[t].plan.layers != wide[t].plan.layers for t in shared)
     # The 16-bit floor (all-INT2 plus the wide window) lies above the 8-bit one.
     assert min(c.memory for c in wide.values()) > min(c.memory for c in narrow.values())
+
+
+def test_upper_low_bit_targets_are_also_allocated_with_float16_scales(low_bit, smollm2_4_layers):
+    log = low_bit.meta.search_log
+    b4 = next(c.memory for c in log if c.name == "L1 all-int4 window-64")
+    layout = low_bit_layout(_config(smollm2_4_layers), 512)
+    assert LAYOUTS[layout].scale_bits == 8
+    wide_name = layout.replace(" w8", "").replace(" s8", "")
+    wide = [c for c in log if f"L2 mixed {wide_name} low-bit," in c.name and "+sb" not in c.name]
+    assert wide and all(c.plan.cache == replace(LAYOUTS[layout], window_bits=16, scale_bits=16, range_search=False)
+                        for c in wide)
+    # Only the targets from WIDE_SCALES_FROM x B4 up, and no floor: below them the one-byte plans won.
+    targets = sorted(float(c.name.split("<= ")[1]) for c in wide)
+    assert targets[0] >= WIDE_SCALES_FROM * b4 - 6e-4  # names print the target to 3 decimals
+    # The default layout is no longer a low-bit allocation (its plans never won a target).
+    assert not any(c.name.startswith(f"L2 mixed {DEFAULT_LAYOUT} low-bit") for c in log)

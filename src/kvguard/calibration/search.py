@@ -69,6 +69,12 @@ CLIP_GRID = (0.95, 0.9)
 # without rotation and without INT3 (the ablation at a fixed budget, kept in the search log).
 LOW_BIT_TARGETS = (0.85, 0.75, 0.68, 0.60, 0.52, 0.45)
 ABLATION_TARGETS = (0.75, 0.60)
+# From this fraction of B4 up, level 2 also allocates in the low-bit layout with float16 scales and [min, max]
+# ranges (:meth:`Searcher.low_bit_layouts`). There the plans are mostly INT4 and INT3, and the one byte a scale
+# saves is a small share of the bytes: on SmolLM2's held-out text the one-byte (``s8``) plans measured KL 0.00732
+# at 0.68 x B4 and 0.00413 at 0.75, the float16-scale ones 0.00538 and 0.00384; below 0.68 the one-byte ones won
+# on both models (0.60 x B4: 0.00936 against 0.01008, Gemma 3 0.00807 against 0.01047).
+WIDE_SCALES_FROM = 0.68
 INT3, INT2 = TIERS.index(Precision.INT3), TIERS.index(Precision.INT2)
 
 
@@ -270,10 +276,13 @@ class Searcher:
         rotate = self.rotatable
         out, low = [], self.low_bit_layout
         for lname, layout in self.low_bit_layouts():
-            floor = float(self.layer_bytes(layout)[0][:, INT2].sum() / self.layer_bytes(layout)[1].sum())
-            # The floor is a target too: all-INT2 with each layer's chosen rotation. Level 1's all-INT2 rotates
-            # every layer, which on Gemma 3's held-out text cost 4.6x the KL (0.2496 against 0.0544).
-            targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.001] + [round(floor, 4)]
+            if layout.scale_bits == 16 and LAYOUTS[low].scale_bits == 8:  # the float16-scale twin: upper targets
+                targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f >= WIDE_SCALES_FROM]
+            else:
+                floor = float(self.layer_bytes(layout)[0][:, INT2].sum() / self.layer_bytes(layout)[1].sum())
+                # The floor is a target too: all-INT2 with each layer's chosen rotation. Level 1's all-INT2 rotates
+                # every layer, which on Gemma 3's held-out text cost 4.6x the KL (0.2496 against 0.0544).
+                targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.001] + [round(floor, 4)]
             out += self.level2(sens, layout, int8_kl, targets, int3_ratio=ratio, rotate=rotate, label=" low-bit",
                                name=lname)
         out += self.corrected(out)
@@ -284,18 +293,28 @@ class Searcher:
         return out
 
     def low_bit_layouts(self) -> list[tuple[str, CacheConfig]]:
-        """The layouts the low-bit targets are allocated in: :meth:`frontier_layouts`, and the low-bit one again
-        with its window in 16 bits (named without ``w8``: "window-16 value-group-64 s8"). The 8-bit window adds a nearly fixed error (on Gemma
-        3's held-out text all-INT8 in the low-bit layout scored KL 0.00213, in the default layout 0.00006), which
-        the bytes it frees outweigh only where the plan's own error is larger; allocating each target in both
-        formats lets the frontier keep whichever measures lower at the same bytes. (Re-scoring the 8-bit plans
-        with a 16-bit window instead gave the wide window only at a plan's bytes plus the window's, and lost at
-        0.85 x B4: Gemma 3 0.00175 -> 0.00202, SmolLM2 0.00137 -> 0.00222.)"""
-        out = [(name, LAYOUTS[name]) for name in self.frontier_layouts]
+        """The layouts the low-bit targets are allocated in: the model's low-bit layout, the same with its window
+        in 16 bits (named without ``w8``: "window-16 value-group-64 s8"), and that with float16 scales and
+        ``[min, max]`` ranges (named without ``s8`` either), for the targets from :data:`WIDE_SCALES_FROM` x B4
+        up; the default layout where no low-bit layout fits the head.
+
+        The 8-bit window adds a nearly fixed error (on Gemma 3's held-out text all-INT8 in the low-bit layout
+        scored KL 0.00213, in the default layout 0.00006), which the bytes it frees outweigh only where the plan's
+        own error is larger; one-byte scales likewise. Allocating each target in each format lets the frontier keep
+        whichever measures lower at the same bytes. (Re-scoring the 8-bit plans with a 16-bit window instead gave
+        the wide window only at a plan's bytes plus the window's, and lost at 0.85 x B4: Gemma 3 0.00175 ->
+        0.00202, SmolLM2 0.00137 -> 0.00222.) The default layout (a 64-token window) is not among them: in four
+        calibrations of both models its plans measured 2-5x the held-out KL of the low-bit layouts' at every
+        target."""
         low = self.low_bit_layout
-        if LAYOUTS[low].window_bits == 8:
-            out.append((low.replace(" w8", ""), replace(LAYOUTS[low], window_bits=16)))
-        return out
+        base = LAYOUTS[low]
+        out = {low: base}
+        if base.window_bits == 8:
+            out[low.replace(" w8", "")] = replace(base, window_bits=16)
+        if base.scale_bits == 8:
+            out[low.replace(" w8", "").replace(" s8", "")] = replace(base, window_bits=16, scale_bits=16,
+                                                                      range_search=False)
+        return list(out.items())
 
     def corrected(self, candidates: list[Candidate]) -> list[Candidate]:
         """The same plans with the softmax-bias correction of their quantized keys' scores
