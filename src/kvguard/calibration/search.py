@@ -71,9 +71,12 @@ LOW_BIT_TARGETS = (0.85, 0.75, 0.68, 0.60, 0.52, 0.45)
 ABLATION_TARGETS = (0.75, 0.60)
 # From this fraction of B4 up, level 2 also allocates in the low-bit layout with float16 scales and [min, max]
 # ranges (:meth:`Searcher.low_bit_layouts`). There the plans are mostly INT4 and INT3, and the one byte a scale
-# saves is a small share of the bytes: on SmolLM2's held-out text the one-byte (``s8``) plans measured KL 0.00732
-# at 0.68 x B4 and 0.00413 at 0.75, the float16-scale ones 0.00538 and 0.00384; below 0.68 the one-byte ones won
-# on both models (0.60 x B4: 0.00936 against 0.01008, Gemma 3 0.00807 against 0.01047).
+# saves is a small share of the bytes. On SmolLM2's held-out text the one-byte (``s8``) plans measured KL 0.00732
+# at 0.68 x B4 and 0.00413 at 0.75, the previous profile's float16-scale ones 0.00538 and 0.00384; below 0.68 the
+# one-byte ones won on both models (0.60 x B4: 0.00936 against 0.01008, Gemma 3 0.00807 against 0.01047). With
+# both in the search, SmolLM2's float16-scale plans won 0.68 / 0.75 / 0.85 x B4 (0.00538 / 0.00406 / 0.00136 against
+# 0.00732 / 0.00413 / 0.00152), and on the eval split its 0.75 x B4 plan went from +1.32 / +2.73 / +0.45 % (prose /
+# code / dialog) to +0.68 / +0.24 / +0.93 % (benchmarks/README.md, "One-byte scales and searched ranges").
 WIDE_SCALES_FROM = 0.68
 INT3, INT2 = TIERS.index(Precision.INT3), TIERS.index(Precision.INT2)
 
