@@ -278,11 +278,12 @@ class Searcher:
         ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
         rotate = self.rotatable
         out, low = [], self.low_bit_layout
-        for lname, layout in self.low_bit_layouts():
-            if layout.scale_bits == 16 and LAYOUTS[low].scale_bits == 8:  # the float16-scale twin: upper targets
+        for lname, layout, upper_only in self.low_bit_layouts():
+            if upper_only:
                 targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f >= WIDE_SCALES_FROM]
             else:
-                floor = float(self.layer_bytes(layout)[0][:, INT2].sum() / self.layer_bytes(layout)[1].sum())
+                table, ref = self.layer_bytes(layout)
+                floor = float(table[:, INT2].sum() / ref.sum())
                 # The floor is a target too: all-INT2 with each layer's chosen rotation. Level 1's all-INT2 rotates
                 # every layer, which on Gemma 3's held-out text cost 4.6x the KL (0.2496 against 0.0544).
                 targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.001] + [round(floor, 4)]
@@ -295,11 +296,11 @@ class Searcher:
         out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, rotate=rotate, label=" low-bit, no int3")
         return out
 
-    def low_bit_layouts(self) -> list[tuple[str, CacheConfig]]:
+    def low_bit_layouts(self) -> list[tuple[str, CacheConfig, bool]]:
         """The layouts the low-bit targets are allocated in: the model's low-bit layout, the same with its window
         in 16 bits (named without ``w8``: "window-16 value-group-64 s8"), and that with float16 scales and
         ``[min, max]`` ranges (named without ``s8`` either), for the targets from :data:`WIDE_SCALES_FROM` x B4
-        up; the default layout where no low-bit layout fits the head.
+        up only (the third item: ``True``); the default layout where no low-bit layout fits the head.
 
         The 8-bit window adds a nearly fixed error (on Gemma 3's held-out text all-INT8 in the low-bit layout
         scored KL 0.00213, in the default layout 0.00006), which the bytes it frees outweigh only where the plan's
@@ -311,13 +312,13 @@ class Searcher:
         target."""
         low = self.low_bit_layout
         base = LAYOUTS[low]
-        out = {low: base}
+        out = [(low, base, False)]
         if base.window_bits == 8:
-            out[low.replace(" w8", "")] = replace(base, window_bits=16)
+            out.append((low.replace(" w8", ""), replace(base, window_bits=16), False))
         if base.scale_bits == 8:
-            out[low.replace(" w8", "").replace(" s8", "")] = replace(base, window_bits=16, scale_bits=16,
-                                                                      range_search=False)
-        return list(out.items())
+            out.append((low.replace(" w8", "").replace(" s8", ""),
+                        replace(base, window_bits=16, scale_bits=16, range_search=False), True))
+        return out
 
     def corrected(self, candidates: list[Candidate]) -> list[Candidate]:
         """The same plans with the softmax-bias correction of their quantized keys' scores
