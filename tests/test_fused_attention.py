@@ -1,6 +1,7 @@
 """The fused decode attention against the slow reference: today's read (materialize, then plain attention)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -127,6 +128,74 @@ def test_one_byte_scales_and_searched_ranges_are_read_decoded():
     assert wide.history_nbytes() - layer.history_nbytes() == 2 * groups
     _check(layer, gen)
     _check(layer, gen, tq=3)
+
+
+
+def test_one_byte_scales_are_decoded_in_the_kernel_exactly_as_in_torch():
+    """The kernels read one-byte scale and zero codes themselves; the scores and sums equal those of the same
+    codes with the scales decoded beforehand (``QuantizedTensor.scales()`` / ``zeros()``), bit for bit."""
+    gen = torch.Generator().manual_seed(8)
+    cfg = CacheConfig(residual=4, sinks=1, group_size=8, scale_bits=8, range_search=True)
+    layer = KVGuardLayer(("int3", "int2", "int3"), cfg)
+    layer.update(torch.randn(B, H_KV, 300, D, generator=gen) * 3 + 1, torch.randn(B, H_KV, 300, D, generator=gen))
+    ops, part = fused_attention.kernels(), layer._runs[0].parts[0]  # the two INT3 heads
+    h = part.keys.shape[1]
+    q = torch.randn(B, h, REP, D, generator=gen)
+    for x, axis in ((part.keys, (8, 1)), (part.values, (1, 8))):
+        assert x.scale.dtype == torch.uint8
+        codes = x.qdata
+        decoded = (codes, x.scales(), x.zeros(), torch.empty(0, dtype=torch.float16), x.spec.precision.bits, *axis)
+        coded = fused_attention._codes(x, B, h)
+        assert coded[1].dtype == torch.uint8 and coded[2].dtype == torch.int8
+        if x is part.keys:
+            got, want = (torch.zeros(B, h, REP, x.shape[-2]) for _ in range(2))
+            ops.key_scores(got, 0, torch.empty(0, dtype=torch.long), q, *coded, True)
+            ops.key_scores(want, 0, torch.empty(0, dtype=torch.long), q, *decoded, True)
+        else:
+            p = torch.softmax(torch.randn(B, h, REP, x.shape[-2], generator=gen), -1)
+            got = ops.value_accumulate(p, 0, torch.empty(0, dtype=torch.long), *coded, D)
+            want = ops.value_accumulate(p, 0, torch.empty(0, dtype=torch.long), *decoded, D)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scale_bits", [16, 8])
+def test_the_kernel_applies_the_softmax_bias_correction(scale_bits):
+    """With ``score_correction`` the kernel adds :func:`kvguard.score_bias.correction` to every quantized key's
+    score (in the keys' rotated basis), and nothing to full-precision keys or to INT8 ones."""
+    from kvguard import rotation, score_bias
+
+    gen = torch.Generator().manual_seed(9)
+    cfg = CacheConfig(residual=6, sinks=2, group_size=8, fp_dtype="float16", score_correction=True,
+                      scale_bits=scale_bits)
+    layer = KVGuardLayer(("int3", "fp16", "int2"), cfg)
+    layer.set_rotation(True, False)
+    _fill(layer, 40, gen)
+    layer.set_precision(("int8", "int4", "fp16"))
+    _fill(layer, 30, gen)
+    q = torch.randn(B, H_KV * REP, 1, D, generator=gen)
+    k, v = torch.randn(B, H_KV, 1, D, generator=gen), torch.randn(B, H_KV, 1, D, generator=gen)
+    scaling = D ** -0.5
+    past_k, past_v = layer.materialize(torch.float32)
+    keys = torch.cat([past_k, k], dim=-2)
+    qs = (q * scaling).reshape(B, H_KV, REP, D)  # rows: the query heads of each KV head
+    scores = qs @ keys.transpose(-1, -2)  # [B, H_kv, REP, N]
+    column, corrected = layer._sinks_k.shape[-2], 0
+    for run in layer._runs:
+        for part in run.parts:
+            if part.layout.key_spec is not None and score_bias.applies(part.layout.key_spec):
+                rows = qs.index_select(1, part.index)
+                rows = rows @ part.rotation_matrix if part.layout.key_rotated else rows
+                bias = score_bias.correction(rows, part.keys)  # [B, h, REP, run.length]
+                scores[:, part.index, :, column:column + run.length] += bias
+                corrected += 1
+        column += run.length
+    assert corrected == 3  # INT3 and INT2 in the first run, INT4 in the second; not INT8 or FP16
+    values = torch.cat([past_v, v], dim=-2)
+    expected = (torch.softmax(scores, -1) @ values).reshape(B, H_KV * REP, 1, D)
+    got = fused_attention.attend(q, layer.stored_read(), k, v, None, scaling=scaling)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    uncorrected = dataclasses.replace(layer.stored_read(), score_correction=False)
+    assert not torch.allclose(fused_attention.attend(q, uncorrected, k, v, None, scaling=scaling), got, atol=1e-4)
 
 
 def test_several_runs_overlay_and_query_tokens():

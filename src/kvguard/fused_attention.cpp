@@ -4,10 +4,12 @@
 // them with the full-precision segments and does the softmax in between). A part holds h of the layer's H_kv
 // heads (``heads`` maps them, empty = all) and T tokens stored from column ``column`` of the layer's N columns:
 //
-//   key_scores(scores [B, H_kv, R, N] f32, column, heads, q [B, h, R, D] f32, codes, scale, zero, bits,
-//              tokens_per_row, channels_per_entry)
+//   key_scores(scores [B, H_kv, R, N] f32, column, heads, q [B, h, R, D] f32, codes, scale, zero, table, bits,
+//              tokens_per_row, channels_per_entry, correct)
 //       writes scores[b, heads[i], r, column + t] = sum_d q[b, i, r, d] * (code[t, d] * s(t, d) + z(t, d))
-//   value_accumulate(p [B, H_kv, R, N] f32, column, heads, codes, scale, zero, bits, tokens_per_row,
+//       and, with `correct`, adds the softmax-bias correction -1/2 sum_d q[b, i, r, d]^2 s(t, d)^2 / 12
+//       (kvguard/score_bias.py), computed once per scale row
+//   value_accumulate(p [B, H_kv, R, N] f32, column, heads, codes, scale, zero, table, bits, tokens_per_row,
 //                    channels_per_entry, head_dim)
 //       -> out [B, h, R, D] f32:  out[b, i, r, d] = sum_t p[b, heads[i], r, column + t] * (code[t, d] * s + z)
 //
@@ -18,6 +20,9 @@
 // the last axis contiguous), s(t, d) = scale[t / tokens_per_row, d / channels_per_entry]: keys grouped per
 // channel over G tokens pass (G, 1), values grouped per token over G channels pass (1, G); a calibrated INT8
 // scale shared by every token comes expanded with a zero row stride. zero is empty for symmetric INT8.
+// One-byte scales (kvguard/scale_codes.py) come as their codes: scale uint8, zero int8, and `table` the float16
+// value of each scale code (empty for float16 scales); they are decoded here as scale_codes.py decodes them
+// (s = table[code], z = float16(zero code * s / 16)), so no decoded copy is made at every step.
 // Codes are dequantized exactly as QuantizedTensor.dequantize does (code * s + z in float32, a product then a
 // sum), eight channels at a time with AVX2, so the results equal the reference up to float summation order.
 
@@ -49,7 +54,23 @@ struct Scales {
   int64_t sb, sh, sr;    // strides of batch, head, row (shared by scale and zero)
   int64_t zb, zh, zr;
   int64_t tokens_per_row, channels_per_entry, entries;
+  const uint8_t* scale_code = nullptr;  // one-byte scales: their codes and the table they index
+  const int8_t* zero_code = nullptr;
+  const at::Half* table = nullptr;
 };
+
+constexpr float kZeroFraction = 16.0f;  // scale_codes.ZERO_FRACTION: a zero code counts 1/16 of its group's step
+
+// The scale at element offset i of the scale tensor, and the zero point at offset j of the zero tensor
+// (of a group whose scale is `scale`).
+inline float scale_value(const Scales& s, int64_t i) {
+  return s.table ? static_cast<float>(s.table[s.scale_code[i]]) : static_cast<float>(s.scale[i]);
+}
+
+inline float zero_value(const Scales& s, int64_t j, float scale) {
+  if (s.zero_code) return static_cast<float>(at::Half(static_cast<float>(s.zero_code[j]) * scale / kZeroFraction));
+  return s.zero ? static_cast<float>(s.zero[j]) : 0.0f;
+}
 
 Codes codes_of(const torch::Tensor& codes, int bits) {
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8, "codes must be uint8 (int8 codes viewed as uint8)");
@@ -58,11 +79,26 @@ Codes codes_of(const torch::Tensor& codes, int bits) {
   return {codes.data_ptr<uint8_t>(), codes.stride(0), codes.stride(1), codes.stride(2), bits};
 }
 
-Scales scales_of(const torch::Tensor& scale, const torch::Tensor& zero, int64_t tokens_per_row,
-                 int64_t channels_per_entry) {
-  TORCH_CHECK(scale.scalar_type() == torch::kHalf && scale.dim() == 4 && scale.stride(3) == 1,
-              "scale must be float16 [B, h, rows, entries] with a contiguous last axis");
+Scales one_byte_scales_of(const torch::Tensor& scale, const torch::Tensor& zero, const torch::Tensor& table,
+                          int64_t tokens_per_row, int64_t channels_per_entry) {
+  TORCH_CHECK(table.scalar_type() == torch::kHalf && table.dim() == 1 && table.numel() == 256 && table.is_contiguous(),
+              "table must be a contiguous float16 tensor of 256 entries (one per scale code)");
+  TORCH_CHECK(zero.scalar_type() == torch::kChar && zero.sizes() == scale.sizes() && zero.stride(3) == 1,
+              "one-byte zero points must be int8 codes with the scale codes' shape and a contiguous last axis");
+  Scales s{nullptr, nullptr, scale.stride(0), scale.stride(1), scale.stride(2), zero.stride(0), zero.stride(1),
+           zero.stride(2), tokens_per_row, channels_per_entry, scale.size(3)};
+  s.scale_code = scale.data_ptr<uint8_t>();
+  s.zero_code = zero.data_ptr<int8_t>();
+  s.table = table.data_ptr<at::Half>();
+  return s;
+}
+
+Scales scales_of(const torch::Tensor& scale, const torch::Tensor& zero, const torch::Tensor& table,
+                 int64_t tokens_per_row, int64_t channels_per_entry) {
+  TORCH_CHECK((scale.scalar_type() == torch::kHalf || scale.scalar_type() == torch::kByte) && scale.dim() == 4 &&
+              scale.stride(3) == 1, "scale must be float16 (or uint8 codes) [B, h, rows, entries] with a contiguous last axis");
   TORCH_CHECK(tokens_per_row >= 1 && channels_per_entry >= 1, "tokens_per_row and channels_per_entry must be >= 1");
+  if (scale.scalar_type() == torch::kByte) return one_byte_scales_of(scale, zero, table, tokens_per_row, channels_per_entry);
   Scales s{scale.data_ptr<at::Half>(), nullptr, scale.stride(0), scale.stride(1), scale.stride(2), 0, 0, 0,
            tokens_per_row, channels_per_entry, scale.size(3)};
   if (zero.defined() && zero.numel() > 0) {
@@ -196,11 +232,10 @@ inline void dequantize_codes(const uint8_t* src, int bits, int64_t dim, const fl
 
 // The scale and zero point of every channel for scale row `row`, expanded over channels_per_entry channels.
 inline void load_row(const Scales& s, int64_t b, int64_t h, int64_t row, int64_t dim, float* scale, float* zero) {
-  const at::Half* sp = s.scale + b * s.sb + h * s.sh + row * s.sr;
-  const at::Half* zp = s.zero ? s.zero + b * s.zb + h * s.zh + row * s.zr : nullptr;
+  const int64_t si = b * s.sb + h * s.sh + row * s.sr, zi = b * s.zb + h * s.zh + row * s.zr;
   for (int64_t e = 0; e < s.entries; ++e) {
-    const float sv = static_cast<float>(sp[e]);
-    const float zv = zp ? static_cast<float>(zp[e]) : 0.0f;
+    const float sv = scale_value(s, si + e);
+    const float zv = zero_value(s, zi + e, sv);
     const int64_t end = std::min(dim, (e + 1) * s.channels_per_entry);
     for (int64_t d = e * s.channels_per_entry; d < end; ++d) {
       scale[d] = sv;
@@ -257,8 +292,9 @@ bool values_per_token(const Codes& codes, const Scales& s, const Target& src, in
   std::vector<float> scale(n * entries), zero(n * entries, 0.0f), weight(kRowBlock * n);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t e = 0; e < entries; ++e) {
-      scale[t * entries + e] = static_cast<float>(s.scale[b * s.sb + h * s.sh + (t0 + t) * s.sr + e]);
-      if (s.zero) zero[t * entries + e] = static_cast<float>(s.zero[b * s.zb + h * s.zh + (t0 + t) * s.zr + e]);
+      const float sv = scale_value(s, b * s.sb + h * s.sh + (t0 + t) * s.sr + e);
+      scale[t * entries + e] = sv;
+      zero[t * entries + e] = zero_value(s, b * s.zb + h * s.zh + (t0 + t) * s.zr + e, sv);
     }
   }
   const float* ph = src.row(b, h);
@@ -298,16 +334,29 @@ bool values_per_token(const Codes& codes, const Scales& s, const Target& src, in
   }
 }
 
+// The softmax-bias correction of one scale row (kvguard/score_bias.py), per query row r < R:
+// -1/2 sum_d q[r, d]^2 * scale[d]^2 / 12, the rounding noise's variance weighted by the squared query.
+void row_bias(const float* q, const float* scale, int64_t R, int64_t D, float* bias) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qr = q + r * D;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < D; ++d) acc += qr[d] * qr[d] * (scale[d] * scale[d] / 12.0f);
+    bias[r] = -0.5f * acc;
+  }
+}
+
 }  // namespace
 
 void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& heads, const torch::Tensor& q,
-                const torch::Tensor& codes_t, const torch::Tensor& scale, const torch::Tensor& zero, int64_t bits,
-                int64_t tokens_per_row, int64_t channels_per_entry) {
+                const torch::Tensor& codes_t, const torch::Tensor& scale, const torch::Tensor& zero,
+                const torch::Tensor& table, int64_t bits, int64_t tokens_per_row, int64_t channels_per_entry,
+                bool correct) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32 [B, h, R, D]");
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), T = codes_t.size(2);
   check_dims(D, static_cast<int>(bits));
   const Codes codes = codes_of(codes_t, static_cast<int>(bits));
-  const Scales s = scales_of(scale, zero, tokens_per_row, channels_per_entry);
+  const Scales s = scales_of(scale, zero, table, tokens_per_row, channels_per_entry);
   const Target dst = target_of(scores, heads, column, B, H, R, T);
   const float* qp = q.data_ptr<float>();
   const int64_t blocks = (T + kTokenBlock - 1) / kTokenBlock;
@@ -315,6 +364,7 @@ void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& head
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
     float sc[kMaxDim], zr[kMaxDim], key[kMaxDim];
     std::vector<float> qpad(padded_rows * D, 0.0f);  // the head's query rows, zero rows up to padded_rows
+    std::vector<float> bias(R, 0.0f);                 // per query row: the correction of the loaded scale row
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, b = bh / H, h = bh % H;
       const int64_t t0 = (task % blocks) * kTokenBlock, t1 = std::min(T, t0 + kTokenBlock);
@@ -325,10 +375,13 @@ void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& head
         const int64_t row = s.sr == 0 ? 0 : t / s.tokens_per_row;
         if (row != loaded) {
           load_row(s, b, h, row, D, sc, zr);
+          if (correct) row_bias(qpad.data(), sc, R, D, bias.data());
           loaded = row;
         }
         key_dots(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, qpad.data(), R,
                  oh + t, dst.sr, key);
+        if (correct)
+          for (int64_t r = 0; r < R; ++r) oh[r * dst.sr + t] += bias[r];
       }
     }
   });
@@ -336,12 +389,12 @@ void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& head
 
 torch::Tensor value_accumulate(const torch::Tensor& p, int64_t column, const torch::Tensor& heads,
                                const torch::Tensor& codes_t, const torch::Tensor& scale, const torch::Tensor& zero,
-                               int64_t bits, int64_t tokens_per_row, int64_t channels_per_entry, int64_t head_dim) {
+                               const torch::Tensor& table, int64_t bits, int64_t tokens_per_row, int64_t channels_per_entry, int64_t head_dim) {
   const int64_t B = codes_t.size(0), H = codes_t.size(1), R = p.size(2), T = codes_t.size(2), D = head_dim;
   const Target src = target_of(p, heads, column, B, H, R, T);
   check_dims(D, static_cast<int>(bits));
   const Codes codes = codes_of(codes_t, static_cast<int>(bits));
-  const Scales s = scales_of(scale, zero, tokens_per_row, channels_per_entry);
+  const Scales s = scales_of(scale, zero, table, tokens_per_row, channels_per_entry);
   // Each task sums its own block of tokens into its own slot; the slots are summed in a fixed order after, so
   // the result does not depend on the thread count.
   const int64_t blocks = std::max<int64_t>(1, (T + kTokenBlock - 1) / kTokenBlock);

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from kvguard import score_bias
+from kvguard import scale_codes, score_bias
 from kvguard.quantizer import Axis, QuantizedTensor
 
 MAX_QUERY = 8  # new tokens per step read through the kernels; a longer chunk (a prefill) materializes
@@ -154,19 +154,27 @@ def available(device: torch.device | None = None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ attention
+_NO_TABLE = torch.empty(0, dtype=torch.float16)
+
+
 def _codes(x: QuantizedTensor, batch: int, heads: int) -> tuple:
-    """The kernel arguments of a quantized part: codes, scale, zero, bits, tokens per scale row, channels per
-    scale entry (see ``fused_attention.cpp``)."""
+    """The kernel arguments of a quantized part: codes, scale, zero, scale-code table, bits, tokens per scale
+    row, channels per scale entry (see ``fused_attention.cpp``)."""
     spec, (tokens, dim) = x.spec, x.shape[-2:]
     codes = x.qdata.view(torch.uint8) if x.qdata.dtype == torch.int8 else x.qdata
-    scale, zero = x.scales(), x.zeros()  # float16, decoded where stored in one byte
+    if spec.scale_bits == 8:
+        # One-byte scales go as their codes: the kernel decodes them as it reads (decoding them here, every
+        # step, cost about a tenth of a SmolLM2 decode step at 4,096 tokens).
+        scale, zero, table = x.scale, x.zero_point, scale_codes.BYTE_TABLE
+    else:
+        scale, zero, table = x.scale, x.zero_point, _NO_TABLE
     zero = zero if zero is not None else torch.empty(0, dtype=scale.dtype)
     if spec.static:
         # One calibrated [1, h, 1, D] scale shared by every token: row 0 for all of them.
-        return codes, scale.expand(batch, heads, 1, dim), zero, 8, max(tokens, 1), 1
+        return codes, scale.expand(batch, heads, 1, dim), zero, table, 8, max(tokens, 1), 1
     if spec.axis is Axis.CHANNEL:
-        return codes, scale, zero, spec.precision.bits, spec.group_size, 1
-    return codes, scale, zero, spec.precision.bits, 1, spec.group_size
+        return codes, scale, zero, table, spec.precision.bits, spec.group_size, 1
+    return codes, scale, zero, table, spec.precision.bits, 1, spec.group_size
 
 
 def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegment, correct: bool = False) -> None:
@@ -175,13 +183,10 @@ def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegmen
         qs = qs @ seg.key_rotation  # (q R) . (k R) = q . k
     if isinstance(seg.keys, QuantizedTensor):
         heads = seg.heads if seg.heads is not None else torch.empty(0, dtype=torch.long)
-        ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_codes(seg.keys, q.shape[0], qs.shape[1]))
-        if correct and score_bias.applies(seg.keys.spec):
-            bias = score_bias.correction(qs, seg.keys)  # [B, h, R, T], in the keys' (rotated) basis
-            if seg.heads is None:
-                scores[..., seg.start:seg.start + seg.length] += bias
-            else:
-                scores[:, seg.heads, :, seg.start:seg.start + seg.length] += bias
+        # The kernel adds the softmax-bias correction (score_bias.correction) itself, in the keys' (rotated)
+        # basis, once per scale row: as separate tensor ops it cost about a tenth of a decode step.
+        ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_codes(seg.keys, q.shape[0], qs.shape[1]),
+                       correct and score_bias.applies(seg.keys.spec))
         return
     part = qs @ seg.keys.to(torch.float32).transpose(-1, -2)  # [B, h, R, T]
     if seg.heads is None:

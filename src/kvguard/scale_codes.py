@@ -26,6 +26,8 @@ ZERO_FRACTION = 16  # the zero point's resolution: 1/16 of the group's step
 _CODES = 240  # 2 ** (239 / 8 - 14) = 60096 is the last step below float16's largest number (65504)
 _TABLE = (2.0 ** (torch.arange(_CODES, dtype=torch.float64) / STEPS_PER_OCTAVE - 14)).to(torch.float16)
 _TABLE32 = _TABLE.to(torch.float32)
+# Every byte's value, for readers that index with any code (the fused decode kernels): NaN past the last code.
+BYTE_TABLE = torch.cat([_TABLE, torch.full((256 - _CODES,), float("nan"), dtype=torch.float16)])
 _ZERO_MIN, _ZERO_MAX = -128, 127
 
 
