@@ -62,20 +62,33 @@ def print_medians(seconds: dict[str, list[float]], base: str, title: str) -> Non
         print(f"| {name} | {median * 1e3:.1f} | {1 / median:.2f} | {reference / median:.2f} |")
 
 
+def parser(description: str, steps: int = 16, precisions: str = "fp16,int4,int2") -> argparse.ArgumentParser:
+    """The decode benchmarks' command line: model, context, steps, precisions or plans, profile."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--precisions", default=precisions, help="precisions or plan methods (kvguard@0.22)")
+    p.add_argument("--profile", help="calibration profile, for plan methods")
+    return p
+
+
 @torch.no_grad()
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--precisions", default="fp16,int4,int2", help="precisions or plan methods (kvguard@0.22)")
-    parser.add_argument("--profile", help="calibration profile, for plan methods")
-    args = parser.parse_args()
+def prefilled(args: argparse.Namespace) -> tuple:
+    """``(model, profile, prompt_cache, first token)``: the model, its profile (``--profile``), a DynamicCache
+    holding ``--context`` tokens of unseen long text, and the greedy token after them."""
     model, tok = models.load(args.model)
     profile = Profile.load(args.profile, model) if args.profile else None
     ids = data.token_stream("long", "eval", tok, args.context).reshape(1, -1)
     prompt_cache = DynamicCache(config=model.config)
     first = int(model(input_ids=ids, cache=prompt_cache, use_cache=True).logits[0, -1].argmax())
+    return model, profile, prompt_cache, first
+
+
+@torch.no_grad()
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    model, profile, prompt_cache, first = prefilled(args)
     decoders = {}
     for precision in args.precisions.split(","):
         cache = _filled(model, prompt_cache, precision, profile)

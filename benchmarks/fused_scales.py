@@ -14,18 +14,15 @@ float rounding).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
 import torch
-from transformers import DynamicCache
 
-from kvguard import data, fused_attention, models, score_bias
+from kvguard import fused_attention, score_bias
 from kvguard.control.decoding import CacheDecoder
-from kvguard.profile import Profile
 from kvguard.quantizer import QuantizedTensor
 
-from fused_decode import _filled, interleaved, print_medians
+from fused_decode import _filled, interleaved, parser, prefilled, print_medians  # a sibling script
 
 
 def _torch_codes(x: QuantizedTensor, batch: int, heads: int) -> tuple:
@@ -79,23 +76,14 @@ class _TorchDecoder:
 
 @torch.no_grad()
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--precisions", default="fp16,int2", help="precisions or plan methods (kvguard@0.22)")
-    parser.add_argument("--profile", help="calibration profile, for plan methods")
-    args = parser.parse_args()
-    model, tok = models.load(args.model)
-    profile = Profile.load(args.profile, model) if args.profile else None
-    ids = data.token_stream("long", "eval", tok, args.context).reshape(1, -1)
-    prompt_cache = DynamicCache(config=model.config)
-    first = int(model(input_ids=ids, cache=prompt_cache, use_cache=True).logits[0, -1].argmax())
+    args = parser(__doc__.splitlines()[0], steps=32, precisions="fp16,int2").parse_args()
+    model, profile, prompt_cache, first = prefilled(args)
     decoders = {}
     for precision in args.precisions.split(","):
-        decoders[f"{precision} kernel"] = CacheDecoder(model, _filled(model, prompt_cache, precision, profile), fused=True)
-        decoders[f"{precision} torch"] = _TorchDecoder(
-            CacheDecoder(model, _filled(model, prompt_cache, precision, profile), fused=True))
+        def decoder() -> CacheDecoder:
+            return CacheDecoder(model, _filled(model, prompt_cache, precision, profile), fused=True)
+
+        decoders[f"{precision} kernel"], decoders[f"{precision} torch"] = decoder(), _TorchDecoder(decoder())
     seconds = interleaved(decoders, {name: first for name in decoders}, args.steps)
     print_medians(seconds, f"{args.precisions.split(',')[0]} kernel", f"context {args.context}")
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvguard import attention, fused_attention
+from kvguard import attention, fused_attention, score_bias
 from kvguard.cache import KVGuardCache
 from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
 from kvguard.config import CacheConfig
@@ -162,8 +162,6 @@ def test_one_byte_scales_are_decoded_in_the_kernel_exactly_as_in_torch():
 def test_the_kernel_applies_the_softmax_bias_correction(scale_bits):
     """With ``score_correction`` the kernel adds :func:`kvguard.score_bias.correction` to every quantized key's
     score (in the keys' rotated basis), and nothing to full-precision keys or to INT8 ones."""
-    from kvguard import rotation, score_bias
-
     gen = torch.Generator().manual_seed(9)
     cfg = CacheConfig(residual=6, sinks=2, group_size=8, fp_dtype="float16", score_correction=True,
                       scale_bits=scale_bits)

@@ -96,9 +96,11 @@ Scales one_byte_scales_of(const torch::Tensor& scale, const torch::Tensor& zero,
 Scales scales_of(const torch::Tensor& scale, const torch::Tensor& zero, const torch::Tensor& table,
                  int64_t tokens_per_row, int64_t channels_per_entry) {
   TORCH_CHECK((scale.scalar_type() == torch::kHalf || scale.scalar_type() == torch::kByte) && scale.dim() == 4 &&
-              scale.stride(3) == 1, "scale must be float16 (or uint8 codes) [B, h, rows, entries] with a contiguous last axis");
+              scale.stride(3) == 1,
+              "scale must be float16 (or uint8 codes) [B, h, rows, entries] with a contiguous last axis");
   TORCH_CHECK(tokens_per_row >= 1 && channels_per_entry >= 1, "tokens_per_row and channels_per_entry must be >= 1");
-  if (scale.scalar_type() == torch::kByte) return one_byte_scales_of(scale, zero, table, tokens_per_row, channels_per_entry);
+  if (scale.scalar_type() == torch::kByte)
+    return one_byte_scales_of(scale, zero, table, tokens_per_row, channels_per_entry);
   Scales s{scale.data_ptr<at::Half>(), nullptr, scale.stride(0), scale.stride(1), scale.stride(2), 0, 0, 0,
            tokens_per_row, channels_per_entry, scale.size(3)};
   if (zero.defined() && zero.numel() > 0) {
@@ -389,7 +391,8 @@ void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& head
 
 torch::Tensor value_accumulate(const torch::Tensor& p, int64_t column, const torch::Tensor& heads,
                                const torch::Tensor& codes_t, const torch::Tensor& scale, const torch::Tensor& zero,
-                               const torch::Tensor& table, int64_t bits, int64_t tokens_per_row, int64_t channels_per_entry, int64_t head_dim) {
+                               const torch::Tensor& table, int64_t bits, int64_t tokens_per_row,
+                               int64_t channels_per_entry, int64_t head_dim) {
   const int64_t B = codes_t.size(0), H = codes_t.size(1), R = p.size(2), T = codes_t.size(2), D = head_dim;
   const Target src = target_of(p, heads, column, B, H, R, T);
   check_dims(D, static_cast<int>(bits));
