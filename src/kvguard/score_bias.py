@@ -47,7 +47,10 @@ def step_variance(scale: torch.Tensor, spec: QuantSpec, tokens: int, dim: int) -
 
 def correction(query: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
     """``[B, h, R, T]``: what to add to the scores of the ``R`` query rows ``query`` (``[B, h, R, D]``, float32,
-    times the score scaling, in the keys' basis) against the stored ``keys`` (``[B, h, T, D]``)."""
+    times the score scaling, in the keys' basis) against the stored ``keys`` (``[B, h, T, D]``).
+
+    The torch form of what the fused decode kernels add themselves (``key_scores(..., correct)``): the reference
+    their tests and ``benchmarks/fused_scales.py`` compare with; the simulation uses :func:`step_variance`."""
     tokens, dim = keys.shape[-2:]
     q2 = query.square()
     if keys.spec.axis is Axis.CHANNEL:
