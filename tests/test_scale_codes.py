@@ -76,6 +76,37 @@ def test_the_range_search_never_reads_a_group_back_worse_than_its_full_range(pre
     assert float(group_error(searched).sum()) < 0.95 * float(group_error(full).sum())
 
 
+def _searched_one_at_a_time(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, ...]:
+    """The range search's grids as a loop over the shrinkings computes them: each candidate's error in turn, a
+    later one kept only where it is strictly smaller (the widest wins a tie)."""
+    from kvguard import quantizer as qz
+
+    grouped = qz._group(x.to(torch.float32), spec)
+    lo, hi = grouped.amin(dim=qz._group_dim(spec)), grouped.amax(dim=qz._group_dim(spec))
+    best = None
+    for i in range(qz.RANGE_CANDIDATES):
+        grid = qz._grid(*qz._shrink(lo, hi, 1 - i * 0.28 / spec.levels), spec)
+        u = (grouped - qz._expand(grid[3], spec)) / qz._expand(grid[2], spec)
+        err = (u.round().clamp(0, spec.levels - 1) - u).square().sum(dim=qz._group_dim(spec)) * grid[2].square()
+        keep = torch.ones_like(err, dtype=torch.bool) if best is None else err < best[4]
+        best = [torch.where(keep, new, old) for new, old in zip((*grid, err), best or (*grid, err))]
+    return tuple(best[:2])
+
+
+@pytest.mark.parametrize("precision, scale_bits", [("int3", 16), ("int3", 8), ("int2", 16), ("int2", 8)])
+@pytest.mark.parametrize("axis", [Axis.CHANNEL, Axis.TOKEN])
+def test_the_range_search_stores_each_groups_least_error_grid(precision, scale_bits, axis):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 64, 64, generator=gen) * torch.rand(64, generator=gen) * 4
+    x[..., 3, 9] = 12.0  # an outlier, so that shrinking pays for some groups
+    spec = QuantSpec(precision, axis, 32, scale_bits=scale_bits, range_search=True)
+    q = quantize(x, spec)
+    scale, zero = _searched_one_at_a_time(x, spec)
+    assert torch.equal(q.scale, scale) and torch.equal(q.zero_point, zero)
+    widths = {q.scales().flatten()[i].item() for i in range(q.scale.numel())}
+    assert len(widths) > 3  # groups really chose different grids
+
+
 def test_specs_refuse_what_their_format_cannot_store():
     with pytest.raises(ValueError, match="int3 and int2 only"):
         QuantSpec("int4", Axis.TOKEN, scale_bits=8)

@@ -57,8 +57,10 @@ def _fwht(x: torch.Tensor) -> torch.Tensor:
     h = 1
     while h < d:
         pairs = x.reshape(*lead, d // (2 * h), 2, h)  # [..., blocks, (top, bottom), h]
-        top, bottom = pairs[..., 0, :], pairs[..., 1, :]
-        x = torch.stack((top + bottom, top - bottom), dim=-2).reshape(*lead, d)
+        out = torch.empty_like(pairs)
+        torch.add(pairs[..., 0, :], pairs[..., 1, :], out=out[..., 0, :])  # written in place: no stacked copy
+        torch.sub(pairs[..., 0, :], pairs[..., 1, :], out=out[..., 1, :])
+        x = out.reshape(*lead, d)
         h *= 2
     return x
 

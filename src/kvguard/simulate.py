@@ -167,26 +167,28 @@ class _SimulationHook:
         q32 = query.to(torch.float32)
         positions = torch.arange(t, device=query.device)
         quantized = positions[:, None] >= switch.to(query.device)[None, :]  # [T_q, T_k]
-        diagonal = torch.eye(t, dtype=torch.bool, device=query.device)
-        scores = torch.where(
-            quantized, q32 @ attention.expand_kv(k_q, rep).transpose(-1, -2),
-            q32 @ attention.expand_kv(k_fp, rep).transpose(-1, -2)
-        ) * scaling
+        # Which version each (query, key) pair reads, as 0 / 1 factors: a blend by products is exact (one product of
+        # each sum is 0, and scores and probabilities are finite) and on CPU several times faster over [B, H, T, T]
+        # than torch.where or masked_fill with a broadcast boolean mask.
+        read_q = quantized.to(torch.float32)
+        read_fp = 1.0 - read_q
+        scores = torch.addcmul(q32 @ attention.expand_kv(k_fp, rep).transpose(-1, -2) * read_fp,
+                               q32 @ attention.expand_kv(k_q, rep).transpose(-1, -2), read_q) * scaling
         # The query's own key is used as computed (the cache returns new tokens unrounded).
         exact_self = (q32 * attention.expand_kv(key.to(torch.float32), rep)).sum(-1) * scaling  # [B, Hq, T]
-        scores = torch.where(diagonal, exact_self.unsqueeze(-1), scores)
+        scores.diagonal(dim1=-2, dim2=-1).copy_(exact_self)
         if self.score_bias is not None:
-            scores = scores + self.score_bias(layer_idx, q32 * scaling, k_fp).masked_fill(~quantized, 0.0)
+            scores = scores + self.score_bias(layer_idx, q32 * scaling, k_fp) * read_q
         elif plan.cache.score_correction:
-            scores = scores + _score_correction(q32 * scaling, k_fp, plan, layer_idx, end).masked_fill(~quantized, 0.0)
+            scores = scores + _score_correction(q32 * scaling, k_fp, plan, layer_idx, end) * read_q
         scores = attention.softcapped(scores, softcap)
         if attention_mask is not None:
             scores = scores + attention_mask.to(torch.float32)
         probs = torch.softmax(scores, dim=-1)
         if self.observer is not None:
             self.observer(layer_idx, probs, quantized, k_fp, k_q, v_fp, v_q, attention_mask)
-        off_diag_fp = probs.masked_fill(quantized | diagonal, 0.0)
-        out = probs.masked_fill(~quantized, 0.0) @ attention.expand_kv(v_q, rep) + off_diag_fp @ attention.expand_kv(v_fp, rep)
+        read_fp.fill_diagonal_(0.0)  # the query's own value is added below, as computed
+        out = (probs * read_q) @ attention.expand_kv(v_q, rep) + (probs * read_fp) @ attention.expand_kv(v_fp, rep)
         out = out + probs.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * attention.expand_kv(value.to(torch.float32), rep)
         return out.to(query.dtype)
 
