@@ -10,7 +10,8 @@ from kvguard import models
 from kvguard.architecture import Architecture
 from kvguard.calibration.pipeline import calibrate
 from kvguard.calibration.sensitivity import Sensitivity
-from kvguard.calibration.search import DEFAULT_LAYOUT, LAYOUTS, LOW_BIT_LAYOUTS, WIDE_SCALES_FROM, low_bit_layout
+from kvguard.calibration.search import (CORRECTED_FROM, DEFAULT_LAYOUT, LAYOUTS, LOW_BIT_LAYOUTS, WIDE_SCALES_FROM,
+                                       low_bit_layout)
 from kvguard.evaluation import methods
 from kvguard.plan import Plan
 from kvguard.precision import Precision
@@ -115,6 +116,13 @@ def test_low_bit_plans_are_also_scored_with_the_softmax_bias_correction(low_bit)
         assert c.quality.kl != plain.quality.kl  # measured, not copied
     # Only the low-bit frontier is corrected; the ablation rows stay as they were searched.
     assert not any("no " in c.name for c in corrected)
+    # And only from CORRECTED_FROM x B4 up: every plan allocated there has its twin, none below (nor the floor).
+    b4 = log["L1 all-int4 window-64"].memory
+    low = [c for c in log.values() if " low-bit, predicted" in c.name and not c.name.endswith(" +sb")]
+    floor = {c.name for c in low if all(lp.uniform is Precision.INT2 for lp in c.plan.layers)}
+    upper = {c.name for c in low if float(c.name.split("<= ")[1]) >= CORRECTED_FROM * b4 - 6e-4} - floor  # 3 decimals
+    assert upper and len(upper) < len(low)
+    assert {c.name.removesuffix(" +sb") for c in corrected} == upper
 
 
 def test_low_bit_targets_are_allocated_with_8_and_16_bit_windows(low_bit, smollm2_4_layers):

@@ -78,6 +78,14 @@ ABLATION_TARGETS = (0.75, 0.60)
 # 0.00732 / 0.00413 / 0.00152), and on the eval split its 0.75 x B4 plan went from +1.32 / +2.73 / +0.45 % (prose /
 # code / dialog) to +0.68 / +0.24 / +0.93 % (benchmarks/README.md, "One-byte scales and searched ranges").
 WIDE_SCALES_FROM = 0.68
+# From this fraction of B4 up, level 2 also scores each low-bit plan with the softmax-bias correction (``+sb``,
+# :meth:`Searcher.corrected`). Below it the plans are mostly INT2 in groups with searched ranges, where the
+# correction's model of the keys' noise (uniform rounding within the group's step) does not hold, and in both models'
+# search logs it raised the held-out KL at every such target, in both one-byte layouts (SmolLM2 0.52 / 0.45 x B4 and
+# the floor: 0.01669 -> 0.01854, 0.04322 -> 0.05607, 0.05456 -> 0.07749; Gemma 3: 0.01508 -> 0.01778, 0.02989 ->
+# 0.03318, 0.04073 -> 0.04737), while at 0.60 x B4 it won on Gemma 3 (0.00838 -> 0.00807). Skipping those twins
+# saves five scoring passes per model.
+CORRECTED_FROM = 0.60
 INT3, INT2 = TIERS.index(Precision.INT3), TIERS.index(Precision.INT2)
 
 
@@ -270,26 +278,33 @@ class Searcher:
     def level2_low_bit(self, sens: Sensitivity, int8_kl: float, level1: list[Candidate]) -> list[Candidate]:
         """The low-bit frontier: tiers down to INT2, with INT3 and rotation, at :data:`LOW_BIT_TARGETS` of the
         default layout's all-INT4 bytes and at each layout's all-INT2 floor, in the layouts of
-        :meth:`low_bit_layouts`, each plan also with the softmax-bias correction (:meth:`corrected`), and the
-        same plans without rotation and without INT3 at :data:`ABLATION_TARGETS`."""
+        :meth:`low_bit_layouts`, each plan from :data:`CORRECTED_FROM` x B4 up also with the softmax-bias correction
+        (:meth:`corrected`), and the same plans without rotation and without INT3 at :data:`ABLATION_TARGETS`."""
         by_name = {c.name: c for c in level1}
         b4 = by_name[f"L1 all-int4 {DEFAULT_LAYOUT}"].memory
         rot3, rot2 = (by_name.get(f"L1 all-{t}+rot {DEFAULT_LAYOUT}") for t in ("int3", "int2"))
         ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
         rotate = self.rotatable
-        out, low = [], self.low_bit_layout
+        out, to_correct, low = [], [], self.low_bit_layout
         for lname, layout, upper_only in self.low_bit_layouts():
             if upper_only:
-                targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f >= WIDE_SCALES_FROM]
+                fractions = [f for f in LOW_BIT_TARGETS if f >= WIDE_SCALES_FROM]
+                floor = None
             else:
                 table, ref = self.layer_bytes(layout)
                 floor = float(table[:, INT2].sum() / ref.sum())
-                # The floor is a target too: all-INT2 with each layer's chosen rotation. Level 1's all-INT2 rotates
-                # every layer, which on Gemma 3's held-out text cost 4.6x the KL (0.2496 against 0.0544).
-                targets = [round(f * b4, 4) for f in LOW_BIT_TARGETS if f * b4 > floor + 0.001] + [round(floor, 4)]
-            out += self.level2(sens, layout, int8_kl, targets, int3_ratio=ratio, rotate=rotate, label=" low-bit",
-                               name=lname)
-        out += self.corrected(out)
+                fractions = [f for f in LOW_BIT_TARGETS if f * b4 > floor + 0.001]
+            # Allocated in two calls, the targets the correction is also scored at first, in the same order as one.
+            upper = [round(f * b4, 4) for f in fractions if f >= CORRECTED_FROM]
+            # The floor is a target too: all-INT2 with each layer's chosen rotation. Level 1's all-INT2 rotates every
+            # layer, which on Gemma 3's held-out text cost 4.6x the KL (0.2496 against 0.0544).
+            lower = [round(f * b4, 4) for f in fractions if f < CORRECTED_FROM]
+            lower += [] if floor is None else [round(floor, 4)]
+            kwargs = dict(int3_ratio=ratio, rotate=rotate, label=" low-bit", name=lname)
+            plans = self.level2(sens, layout, int8_kl, upper, **kwargs) if upper else []
+            out += plans + (self.level2(sens, layout, int8_kl, lower, **kwargs) if lower else [])
+            to_correct += plans
+        out += self.corrected(to_correct)
         ablation = [round(f * b4, 4) for f in ABLATION_TARGETS]
         if rotate:
             out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, int3_ratio=ratio, label=" low-bit, no rotation")
