@@ -59,28 +59,10 @@ def _old_searched_grid(grouped, lo, hi, spec):
 
 def _old_call(self, module, query, key, value, attention_mask, *, scaling, softcap):
     """``simulate._SimulationHook.__call__`` as it was: the reads picked by ``torch.where`` / ``masked_fill``."""
-    from kvguard import attention, rotation, simulate
-    from kvguard.quantizer import Axis
+    from kvguard import attention, simulate
 
-    plan, scales = self.plan, self.scales
-    layer_idx = module.layer_idx
-    lp = plan.layers[layer_idx]
-    k_absmax = None if scales is None else scales.key_absmax[layer_idx]
-    v_absmax = None if scales is None else scales.value_absmax[layer_idx]
-    t = query.shape[2]
-    fp_dtype = plan.cache.storage_dtype(key.dtype)
-    k_fp, v_fp = key.to(fp_dtype).to(torch.float32), value.to(fp_dtype).to(torch.float32)
-    end, switch = simulate.quantize_switch_points(t, plan)
-    s = plan.cache.sinks
-    if plan.cache.window_bits == 8:
-        k_fp, v_fp = simulate._window_round(k_fp, k_absmax, s, fp_dtype), simulate._window_round(v_fp, v_absmax, s, fp_dtype)
-    rot = None
-    if lp.key_rotation or lp.value_rotation:
-        rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
-    k_q = simulate._quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, plan.cache, lp.key_clip, k_absmax,
-                                   rot if lp.key_rotation else None, self.codec, layer_idx)
-    v_q = simulate._quantized_copy(v_fp, lp.value_precision, s, end, Axis.TOKEN, plan.cache, lp.value_clip, v_absmax,
-                                   rot if lp.value_rotation else None, self.codec, layer_idx)
+    plan, layer_idx, t = self.plan, module.layer_idx, query.shape[2]
+    k_fp, v_fp, k_q, v_q, end, switch = self.stored(layer_idx, key, value)
     rep = query.shape[1] // key.shape[1]
     q32 = query.to(torch.float32)
     positions = torch.arange(t, device=query.device)

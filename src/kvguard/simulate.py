@@ -138,15 +138,15 @@ class _SimulationHook:
         self.plan, self.scales, self.observer, self.codec = plan, scales, observer, codec
         self.score_bias = score_bias
 
-    def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap):
+    def stored(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
+        """``(k_fp, v_fp, k_q, v_q, end, switch)``: layer ``layer_idx``'s keys and values ``[B, H_kv, T, D]`` as the
+        cache stores them at full precision (window and sinks, float32) and as read from their quantized copies,
+        with :func:`quantize_switch_points`."""
         plan, scales = self.plan, self.scales
-        layer_idx = module.layer_idx
         lp = plan.layers[layer_idx]
         k_absmax = None if scales is None else scales.key_absmax[layer_idx]
         v_absmax = None if scales is None else scales.value_absmax[layer_idx]
-        t = query.shape[2]
-        if key.shape[2] != t:
-            raise RuntimeError("simulation needs the whole stream in one forward pass, without a cache")
+        t = key.shape[2]
         fp_dtype = plan.cache.storage_dtype(key.dtype)
         k_fp, v_fp = key.to(fp_dtype).to(torch.float32), value.to(fp_dtype).to(torch.float32)
         end, switch = quantize_switch_points(t, plan)
@@ -162,6 +162,13 @@ class _SimulationHook:
                               rot if lp.key_rotation else None, self.codec, layer_idx)
         v_q = _quantized_copy(v_fp, lp.value_precision, s, end, Axis.TOKEN, plan.cache, lp.value_clip, v_absmax,
                               rot if lp.value_rotation else None, self.codec, layer_idx)
+        return k_fp, v_fp, k_q, v_q, end, switch
+
+    def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap):
+        plan, layer_idx, t = self.plan, module.layer_idx, query.shape[2]
+        if key.shape[2] != t:
+            raise RuntimeError("simulation needs the whole stream in one forward pass, without a cache")
+        k_fp, v_fp, k_q, v_q, end, switch = self.stored(layer_idx, key, value)
         rep = query.shape[1] // key.shape[1]
 
         q32 = query.to(torch.float32)
