@@ -95,7 +95,11 @@ def _searched_one_at_a_time(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Ten
 
 @pytest.mark.parametrize("precision, scale_bits", [("int3", 16), ("int3", 8), ("int2", 16), ("int2", 8)])
 @pytest.mark.parametrize("axis", [Axis.CHANNEL, Axis.TOKEN])
-def test_the_range_search_stores_each_groups_least_error_grid(precision, scale_bits, axis):
+@pytest.mark.parametrize("per_batch", [8, 3, 1])  # candidates measured at once (a long prefill takes fewer)
+def test_the_range_search_stores_each_groups_least_error_grid(precision, scale_bits, axis, per_batch, monkeypatch):
+    from kvguard import quantizer
+
+    monkeypatch.setattr(quantizer, "SEARCH_BATCH_VALUES", per_batch * 2 * 3 * 64 * 64)  # x's values, below
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 64, 64, generator=gen) * torch.rand(64, generator=gen) * 4
     x[..., 3, 9] = 12.0  # an outlier, so that shrinking pays for some groups

@@ -359,16 +359,30 @@ def _codes(grouped: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec:
     return torch.clamp(q, 0, spec.levels - 1)
 
 
+# Values the range search measures at once: up to this many (16 MiB per float32 temporary), its candidates go in one
+# batch of tensor ops; a larger tensor (a long prefill) takes them a few at a time, down to one, so the search never
+# holds much more than one candidate's copy of a large tensor.
+SEARCH_BATCH_VALUES = 1 << 22
+
+
 def _searched_grid(grouped: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec):
     """:func:`_grid` of the :data:`RANGE_CANDIDATES` shrinking of ``[lo, hi]`` that reads each group back with the
     smallest squared error (the widest on a tie)."""
-    # Every candidate at once, along a new leading axis [C, ...]: a handful of ops over C copies of the tensor
-    # instead of that many ops per candidate (each group's numbers are the same as one candidate at a time).
-    factors = torch.tensor([1 - i * 0.28 / spec.levels for i in range(RANGE_CANDIDATES)], device=lo.device)
-    factors = factors.view(-1, *([1] * lo.dim()))  # [C, 1, ...]
-    grids = _grid(*_shrink(lo[None], hi[None], factors), spec)  # each [C, *lo.shape]
-    # (code - u) * scale is the read-back error of a value at u steps above the zero point.
-    u = (grouped[None] - _expand(grids[3], spec)).div_(_expand(grids[2], spec))
-    err = u.round().clamp_(0, spec.levels - 1).sub_(u).square_().sum(dim=_group_dim(spec)) * grids[2].square()
-    best = err.argmin(dim=0, keepdim=True)  # [1, *lo.shape]: the first (widest) of equal errors
-    return tuple(g.gather(0, best)[0] for g in grids)
+    per_batch = max(1, SEARCH_BATCH_VALUES // max(1, grouped.numel()))
+    best = None
+    for first in range(0, RANGE_CANDIDATES, per_batch):
+        # Candidates along a new leading axis [C, ...]: a handful of ops over C copies of the tensor instead of that
+        # many ops per candidate (each group's numbers are the same as one candidate at a time).
+        shrink = [1 - i * 0.28 / spec.levels for i in range(first, min(first + per_batch, RANGE_CANDIDATES))]
+        factors = torch.tensor(shrink, device=lo.device).view(-1, *([1] * lo.dim()))  # [C, 1, ...]
+        grids = _grid(*_shrink(lo[None], hi[None], factors), spec)  # each [C, *lo.shape]
+        # (code - u) * scale is the read-back error of a value at u steps above the zero point.
+        u = (grouped[None] - _expand(grids[3], spec)).div_(_expand(grids[2], spec))
+        err = u.round().clamp_(0, spec.levels - 1).sub_(u).square_().sum(dim=_group_dim(spec)) * grids[2].square()
+        pick = err.argmin(dim=0, keepdim=True)  # [1, *lo.shape]: the first (widest) of equal errors
+        batch = [g.gather(0, pick)[0] for g in (*grids, err)]
+        if best is not None:  # an earlier batch's candidate keeps its groups unless strictly beaten
+            better = batch[4] < best[4]
+            batch = [torch.where(better, new, old) for new, old in zip(batch, best)]
+        best = batch
+    return tuple(best[:4])
