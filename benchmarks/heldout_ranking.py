@@ -70,7 +70,7 @@ def streams(profile, tokenizer, cap: int, reference_tokens: int) -> dict[str, di
 
 def candidates(log: list[dict], b4: float, budgets: list[float], band: float) -> dict[float, list[dict]]:
     """Per budget (a share of B4), the search-log candidates with memory in ``[budget - band, budget] x B4``."""
-    return {b: [c for c in log if (b - band) * b4 <= c["memory"] <= b * b4 * 1.002] for b in budgets}
+    return {b: [c for c in log if (b - band) * b4 <= c["memory"] <= b * b4] for b in budgets}
 
 
 def report(kl: dict[str, dict[str, float]], memory: dict[str, float], groups: dict[float, list[dict]]) -> list[str]:
