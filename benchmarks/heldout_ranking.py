@@ -105,17 +105,19 @@ def main() -> None:
     profile = Profile.load(args.profile)
     log = json.loads((args.profile / "profile.json").read_text())["search_log"]
     stored, fp16 = Plan.uniform(Architecture.from_config(model.config), "int4").kv_bytes(model.config, 2048)
-    groups = candidates(log, stored / fp16, [float(b) for b in args.budgets.split(",")], args.band)
+    b4 = stored / fp16
+    groups = candidates(log, b4, [float(b) for b in args.budgets.split(",")], args.band)
     chosen = {c["name"]: c for group in groups.values() for c in group}
+    plans, scales = {name: Plan.from_dict(c["plan"]) for name, c in chosen.items()}, profile.static_scales()
     kl = {name: {} for name in chosen}
     for way, ways_streams in streams(profile, tokenizer, args.cap, args.reference_tokens).items():
         heldout, start = HeldOut(model, ways_streams), time.perf_counter()
-        for name, c in chosen.items():
-            kl[name][way] = heldout.score(Plan.from_dict(c["plan"]), profile.static_scales()).kl
+        for name, plan in plans.items():
+            kl[name][way] = heldout.score(plan, scales).kl
         print(f"[heldout_ranking] {way}: {len(chosen)} candidates in {time.perf_counter() - start:.0f} s", flush=True)
-    print("\n".join(report(kl, {n: c["memory"] / (stored / fp16) for n, c in chosen.items()}, groups)))
+    print("\n".join(report(kl, {n: c["memory"] / b4 for n, c in chosen.items()}, groups)))
     if args.json:
-        args.json.write_text(json.dumps({"b4": stored / fp16, "kl": kl}, indent=1))
+        args.json.write_text(json.dumps({"b4": b4, "kl": kl}, indent=1))
 
 
 if __name__ == "__main__":
