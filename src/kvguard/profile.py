@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -127,6 +127,34 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class RankedBudget:
+    """Candidates calibration scored again on longer calibration text (``kvguard.calibration.ranking``) at one
+    budget: its closest ones, and every one at or below it with a lower held-out KL.
+
+    Attributes:
+        share: the budget as a share of B4 (the default layout's all-INT4 bytes).
+        memory: the budget, KV bytes over FP16's (``share * B4``).
+        kl: candidate name -> mean next-token KL on the ranking streams, in held-out order.
+    """
+
+    share: float
+    memory: float
+    kl: dict[str, float]
+
+    @property
+    def pick(self) -> str:
+        """The lowest ranking KL (the held-out order breaks a tie)."""
+        return min(self.kl, key=self.kl.__getitem__)
+
+    def to_dict(self) -> dict:
+        return {"share": self.share, "memory": self.memory, "kl": dict(self.kl), "pick": self.pick}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RankedBudget":
+        return cls(float(d["share"]), float(d["memory"]), {str(k): float(v) for k, v in d["kl"].items()})
+
+
+@dataclass(frozen=True)
 class DomainData:
     """What one calibration domain contributed."""
 
@@ -135,6 +163,8 @@ class DomainData:
     documents: int
     heldout_documents: int
     heldout_tokens: int
+    ranking_documents: int = 0  # the ranking stream's, past the samples' documents (0: none; older profiles)
+    ranking_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,7 +183,8 @@ class DataManifest:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DataManifest":
-        domains = {str(k): DomainData(**{f.name: int(v[f.name]) for f in fields(DomainData)}) for k, v in d["domains"].items()}
+        domains = {str(k): DomainData(**{f.name: int(v[f.name]) for f in fields(DomainData) if f.name in v or
+                                         f.default is MISSING}) for k, v in d["domains"].items()}
         return cls(domains, int(d["samples"]), int(d["tokens"]), int(d.get("max_tokens", 512)), str(d.get("split", "calib")))
 
 
@@ -167,10 +198,11 @@ class Settings:
     context: int
     head_layers: int
     latency_context: int
+    ranking_tokens: int = 0  # re-ranking text, all domains (0: off; profiles before it)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Settings":
-        return cls(**{f.name: int(d[f.name]) for f in fields(cls)})
+        return cls(**{f.name: int(d[f.name]) for f in fields(cls) if f.name in d or f.default is MISSING})
 
 
 @dataclass(frozen=True)
@@ -193,12 +225,31 @@ class ProfileMeta:
     libraries: dict[str, str] = field(default_factory=dict)
     record: dict[str, dict] = field(default_factory=dict)
 
-    RECORDS = ("latency_model", "sensitivity", "monitor_calibration", "run")
+    RECORDS = ("latency_model", "sensitivity", "monitor_calibration", "ranking", "run")
 
     def frontier(self) -> list[Candidate]:
         """The Pareto-frontier candidates of the search log, by memory."""
         names = set(self.pareto_front)
         return sorted((c for c in self.search_log if c.name in names), key=lambda c: c.memory)
+
+    def ranked(self) -> list[RankedBudget]:
+        """The budgets whose closest candidates were scored again on the ranking streams (none before that stage)."""
+        return [RankedBudget.from_dict(b) for b in self.record.get("ranking", {}).get("budgets", [])]
+
+    def frontier_pick(self, memory: float) -> Candidate | None:
+        """The plan ``kvguard@<memory>`` runs: the frontier candidate with the lowest held-out KL at or below
+        ``memory``; where that one was ranked, the one with the lowest ranking KL among those ranked with it that
+        fit (the longer text's word over the held-out slice's); ``None`` where nothing fits."""
+        points = [c for c in self.frontier() if c.memory <= memory]
+        if not points:
+            return None
+        point = min(points, key=lambda c: c.quality.kl)
+        log = {c.name: c for c in self.search_log}
+        for budget in self.ranked():
+            if point.name in budget.kl:
+                fits = [name for name in budget.kl if log[name].memory <= memory]
+                return log[min(fits, key=budget.kl.__getitem__)]
+        return point
 
     def plan_summary(self) -> str:
         return self.plan.summary()
@@ -226,7 +277,7 @@ class ProfileMeta:
                 raise ProfileError(f"{JSON_NAME}: invalid {name!r} block: {err}") from None
 
         risk = d.get("risk_classifier")
-        return cls(
+        meta = cls(
             model=block("model", ModelInfo.from_dict), plan=block("plan", Plan.from_dict),
             monitor=block("monitor", MonitorConfig.from_dict),
             risk_classifier=None if risk is None else block("risk_classifier", RiskClassifier.from_dict),
@@ -237,6 +288,12 @@ class ProfileMeta:
             pareto_front=block("pareto_front", lambda v: tuple(str(n) for n in v)),
             kvguard_version=str(d.get("kvguard_version", "unknown")), libraries=dict(d.get("libraries") or {}),
             record={k: d[k] for k in cls.RECORDS if isinstance(d.get(k), dict)})
+        names = {c.name for c in meta.search_log}
+        ranked = block("ranking", lambda _: [set(b.kl) for b in meta.ranked()]) if "ranking" in d else []
+        if any(group - names for group in ranked):  # kvguard@<bytes> runs one of them
+            raise ProfileError(f"{JSON_NAME}: the 'ranking' block names candidates the search log lacks: "
+                               f"{sorted(set().union(*ranked) - names)}")
+        return meta
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 from kvguard import models
 from kvguard.architecture import Architecture
 from kvguard.calibration.pipeline import calibrate
+from kvguard.calibration.ranking import RANKED_TARGETS, closest
 from kvguard.calibration.sensitivity import Sensitivity
 from kvguard.calibration.search import (CORRECTED_FROM, DEFAULT_LAYOUT, LAYOUTS, LOW_BIT_LAYOUTS, WIDE_SCALES_FROM,
                                        low_bit_layout)
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def low_bit(smollm2_4_layers, tmp_path_factory):
     out = tmp_path_factory.mktemp("lowbit") / "profile"
-    return calibrate(replace(small_config(out), model=str(smollm2_4_layers), low_bit=True), progress=False)
+    return calibrate(replace(small_config(out), model=str(smollm2_4_layers), low_bit=True, ranking_tokens=1024),
+                     progress=False)
 
 
 def test_sensitivity_measures_rotation_per_layer_and_side(low_bit):
@@ -157,3 +159,19 @@ def test_upper_low_bit_targets_are_also_allocated_with_float16_scales(low_bit, s
     assert targets[0] >= WIDE_SCALES_FROM * b4 - 6e-4  # names print the target to 3 decimals
     # The default layout is no longer a low-bit allocation (its plans never won a target).
     assert not any(c.name.startswith(f"L2 mixed {DEFAULT_LAYOUT} low-bit") for c in log)
+
+
+def test_mid_budgets_are_won_on_the_ranking_streams(low_bit):
+    meta = low_bit.meta
+    log = list(meta.search_log)
+    b4 = next(c.memory for c in log if c.name == f"L1 all-int4 {DEFAULT_LAYOUT}")
+    budgets = meta.ranked()
+    assert [b.share for b in budgets] == list(RANKED_TARGETS) and meta.record["ranking"]["tokens_per_domain"] == 512
+    assert all(d.ranking_tokens == 512 and d.ranking_documents >= 1 for d in meta.data.domains.values())
+    held = {c.name: c.quality.kl for c in log}
+    for b, (share, group) in zip(budgets, closest(log, b4)):
+        assert list(b.kl) == [c.name for c in group]  # the closest candidates, in held-out order
+        assert all(kl > 0 and kl != held[name] for name, kl in b.kl.items())  # measured on other text
+        # kvguard@<budget> runs the ranking's pick, whichever the held-out slice put first.
+        picked = methods.frontier_method(f"kvguard@{b.memory}", low_bit).plan(None)
+        assert picked == next(c.plan for c in log if c.name == b.pick)

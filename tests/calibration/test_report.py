@@ -69,6 +69,18 @@ def test_write_plots_and_page(tmp_path, limits):
         assert c.name.replace("<", "&lt;") in text
 
 
+def test_the_search_table_shows_the_ranking_kls(tmp_path):
+    profile = _profile()
+    assert "ranking streams" not in report.write(profile, tmp_path / "plain").read_text(encoding="utf-8")
+    budget = {"share": 0.75, "memory": 0.26, "kl": {"L1 all-int2": 0.25, "L1 all-int4": 0.0123}, "pick": "L1 all-int4"}
+    record = {**profile.meta.record, "ranking": {"tokens_per_domain": 1024, "budgets": [budget]}}
+    text = report.write(replace(profile, meta=replace(profile.meta, record=record)), tmp_path / "ranked").read_text(
+        encoding="utf-8")
+    assert "<th>KL, ranking streams</th>" in text
+    row = text.split("<td>L1 all-int4</td>", 1)[1].split("</tr>", 1)[0]
+    assert '<td class="num">0.0123</td>' in row
+
+
 def test_sensitivity_matrix_fills_unmeasured_rows_from_the_layer():
     matrix, measured = report.sensitivity_matrix(_profile())
     assert measured.tolist() == [False, True, False, True]

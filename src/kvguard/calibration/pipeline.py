@@ -38,15 +38,16 @@ from kvguard.calibration.kv_statistics import KVStatistics, batches_by_length, m
 from kvguard.calibration.latency import LatencyModel, count_latency
 from kvguard.calibration.monitor_fit import fit_monitor
 from kvguard.calibration.output import check_out, locked
+from kvguard.calibration.ranking import rerank
 from kvguard.calibration.samples import CalibrationText, calibration_text
-from kvguard.calibration.search import LAYOUTS, Searcher, best, level2_targets, pareto_front
+from kvguard.calibration.search import DEFAULT_LAYOUT, LAYOUTS, Searcher, best, level2_targets, pareto_front
 from kvguard.calibration.settings import RECOMMENDED_SAMPLES, CalibrationConfig
 from kvguard.calibration.sensitivity import Sensitivity, measure, ranking_table
 from kvguard.config import MonitorConfig
 from kvguard.entropy import EntropyBaseline
 from kvguard.plan import StaticScales
 from kvguard.precision import Precision
-from kvguard.profile import Candidate, ModelInfo, Profile, ProfileMeta
+from kvguard.profile import Candidate, ModelInfo, Profile, ProfileMeta, RankedBudget
 
 STAGES = ("statistics", "latency", "level1", "sensitivity", "level2", "level3", "monitor")
 
@@ -82,10 +83,11 @@ class _Run:
         self.log(f"model {cfg.model}: {self.arch.num_layers} layers, {self.arch.num_kv_heads} KV heads, head_dim "
              f"{self.arch.head_dim}; fingerprint {self.fingerprint[:19]}...")
         self.text: CalibrationText = calibration_text(self.tok, cfg.domains, cfg.samples, cfg.max_tokens,
-                                                      cfg.heldout_tokens)
+                                                      cfg.heldout_tokens, cfg.settings().ranking_tokens)
         m = self.text.manifest
         self.log(f"data: {m.samples} samples ({m.tokens} tokens) from {', '.join(cfg.domains)}; held-out slice "
-             f"{sum(s.numel() for s in self.text.streams.values())} tokens")
+             f"{sum(s.numel() for s in self.text.streams.values())} tokens; ranking streams "
+             f"{sum(s.numel() for s in self.text.ranking.values())} tokens")
 
     def stage(self, name: str, run) -> tuple[dict, dict[str, torch.Tensor]]:
         """``run()`` -> ``(meta, tensors)``, or the checkpoint of an earlier run of this stage."""
@@ -168,6 +170,26 @@ class _Run:
         level3 = self.search_stage("level3", lambda: searcher.level3(l2_best, sens))
         return level1 + level2 + level3, {"sensitivity": sens, "tensors": sens_tensors}
 
+    def ranking(self, executor, log: list[Candidate], scales: StaticScales) -> list[RankedBudget]:
+        """The closest candidates at the mid budgets re-scored on the ranking streams
+        (:mod:`kvguard.calibration.ranking`); none without ranking streams."""
+        if not self.text.ranking:
+            return []
+        b4 = next(c.memory for c in log if c.name == f"L1 all-int4 {DEFAULT_LAYOUT}")
+
+        def run():
+            bar = None if not self.progress else lambda it, total: tqdm(it, total=total, desc="ranking", unit="plan")
+            budgets = rerank(executor, HeldOut(self.model, self.text.ranking), log, b4, scales, bar)
+            return {"budgets": [b.to_dict() for b in budgets]}, None
+
+        budgets = [RankedBudget.from_dict(b) for b in self.stage("ranking", run)[0]["budgets"]]
+        held = {c.name: c.quality.kl for c in log}
+        for b in budgets:
+            self.log(f"ranking <= {b.share} x B4 ({b.memory:.3f}): " + "; ".join(
+                f"{name}: held-out KL {held[name]:.5f}, ranking KL {kl:.5f}" for name, kl in b.kl.items())
+                + f"; pick {b.pick}")
+        return budgets
+
     def monitor(self, heldout: HeldOut, chosen: Candidate, scales: StaticScales, baseline: EntropyBaseline) -> dict:
         def run():
             return fit_monitor(self.model, heldout.streams, heldout.references, chosen.plan, scales, baseline,
@@ -217,6 +239,7 @@ def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayCon
         searcher = Searcher(run.model, heldout, cfg.objective, latency, scales=scales, context=cfg.context,
                             progress=progress, executor=executor)
         search_log, sens = run.search(searcher, heldout, executor)
+        ranked = run.ranking(executor, search_log, scales)
     finally:
         executor.close()
     chosen = best(search_log)
@@ -227,7 +250,7 @@ def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayCon
     log(f"chosen: {chosen.name}: memory {chosen.memory:.3f} of FP16, ppl increase {chosen.ppl_increase_pct:+.2f} % "
         f"(worst domain), KL {chosen.quality.kl:.5f}, score {chosen.score:.3f}")
     log(f"plan: {chosen.plan.summary()}")
-    meta = _meta(run, chosen, search_log, latency, sens["sensitivity"], fit)
+    meta = _meta(run, chosen, search_log, latency, sens["sensitivity"], fit, ranked)
     profile = Profile(meta, {**stats_tensors, **sens["tensors"], **_calibrated_scales(agg)})
     profile.save(cfg.out)
     run.checkpoints.remove()
@@ -236,9 +259,12 @@ def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayCon
 
 
 def _meta(run: _Run, chosen: Candidate, log: list[Candidate], latency: LatencyModel, sens: Sensitivity,
-          fit: dict) -> ProfileMeta:
+          fit: dict, ranked: list[RankedBudget]) -> ProfileMeta:
     cfg, arch = run.cfg, run.arch
     from kvguard.control.risk import RiskClassifier
+
+    ranking = {"ranking": {"tokens_per_domain": cfg.settings().ranking_tokens // len(cfg.domains),
+                           "budgets": [b.to_dict() for b in ranked]}} if ranked else {}
 
     return ProfileMeta(
         model=ModelInfo(cfg.model, run.fingerprint, arch.model_type, arch.num_layers, arch.num_kv_heads,
@@ -250,6 +276,7 @@ def _meta(run: _Run, chosen: Candidate, log: list[Candidate], latency: LatencyMo
         libraries=_library_versions(),
         record={"latency_model": latency.to_dict(), "sensitivity": sens.to_dict(),
                 "monitor_calibration": {k: v for k, v in fit.items() if k not in ("risk_classifier", "seconds")},
+                **ranking,
                 "run": {"seconds": run.seconds, "total_seconds": sum(run.seconds.values()),
                         "resumed_stages": run.resumed}})
 

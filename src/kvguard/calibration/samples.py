@@ -3,13 +3,15 @@
 Both come from the ``calib`` split of each domain only (:mod:`kvguard.data`); the evaluation split is never
 read. In each domain the first documents form the held-out stream (``heldout_tokens`` in all, an even share per
 domain) and the following ones give the samples, at most :data:`WINDOWS_PER_DOCUMENT` windows of
-``max_tokens`` tokens from one document (long code files would otherwise dominate).
+``max_tokens`` tokens from one document (long code files would otherwise dominate). With ``ranking_tokens``, the
+documents after the samples' give one longer stream per domain that re-ranks the closest candidates
+(:mod:`kvguard.calibration.ranking`): no token of it is a sample or held out.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,9 +26,12 @@ class CalibrationText:
     samples: list[torch.Tensor]  # 1-D token samples, BOS first when the model wants one
     streams: dict[str, torch.Tensor]  # domain -> [heldout tokens]
     manifest: DataManifest
+    ranking: dict[str, torch.Tensor] = field(default_factory=dict)  # domain -> [ranking tokens]; empty: none
 
 
-def _heldout_stream(docs, tokenizer, bos: int | None, sep: list[int], tokens: int, domain: str) -> tuple[torch.Tensor, int]:
+def _heldout_stream(docs, tokenizer, bos: int | None, sep: list[int], tokens: int, domain: str,
+                    what: str = "held-out slice") -> tuple[torch.Tensor, int]:
+    """``(stream, documents read)``: ``tokens`` tokens of whole documents joined by the corpus separator."""
     stream: list[int] = [] if bos is None else [bos]
     used = 0
     for doc in docs:
@@ -36,7 +41,7 @@ def _heldout_stream(docs, tokenizer, bos: int | None, sep: list[int], tokens: in
         if len(stream) >= tokens:
             break
     if len(stream) < tokens:
-        raise ValueError(f"domain {domain!r} has too little calibration text for a {tokens}-token held-out slice")
+        raise ValueError(f"domain {domain!r} has too little calibration text for a {tokens}-token {what}")
     return torch.tensor(stream[:tokens], dtype=torch.long), used
 
 
@@ -58,13 +63,14 @@ def _samples(docs, tokenizer, bos: int | None, wanted: int, max_tokens: int) -> 
 
 
 def calibration_text(tokenizer, domains: tuple[str, ...], samples: int, max_tokens: int,
-                     heldout_tokens: int) -> CalibrationText:
-    """The held-out streams and ``samples`` samples, mixed evenly over ``domains``."""
+                     heldout_tokens: int, ranking_tokens: int = 0) -> CalibrationText:
+    """The held-out streams and ``samples`` samples, mixed evenly over ``domains``; with ``ranking_tokens``, the
+    ranking streams after them (none, with a warning, where a domain has too little text left)."""
     bos = tokenizer.bos_token_id if data.wants_bos(tokenizer) else None
     sep = tokenizer(data.DOC_SEPARATOR, add_special_tokens=False)["input_ids"]
     per_domain = [samples // len(domains) + (i < samples % len(domains)) for i in range(len(domains))]
-    heldout_per_domain = heldout_tokens // len(domains)
-    out, streams, manifest = [], {}, {}
+    heldout_per_domain, ranking_per_domain = heldout_tokens // len(domains), ranking_tokens // len(domains)
+    out, streams, ranking, manifest = [], {}, {}, {}
     for domain, wanted in zip(domains, per_domain):
         docs = data.iter_documents(domain, "calib", tokenizer)
         streams[domain], held_docs = _heldout_stream(docs, tokenizer, bos, sep, heldout_per_domain, domain)
@@ -74,4 +80,18 @@ def calibration_text(tokenizer, domains: tuple[str, ...], samples: int, max_toke
                   file=sys.stderr, flush=True)
         out += got
         manifest[domain] = DomainData(len(got), sum(s.numel() for s in got), used_docs, held_docs, heldout_per_domain)
-    return CalibrationText(out, streams, DataManifest(manifest, len(out), sum(s.numel() for s in out), max_tokens))
+        if ranking_per_domain and ranking is not None:
+            try:  # the same iterator: the documents after the samples'
+                ranking[domain], ranked_docs = _heldout_stream(docs, tokenizer, bos, sep, ranking_per_domain, domain,
+                                                               "ranking stream")
+            except ValueError as err:
+                print(f"[kvguard calibrate] warning: {err}; the closest candidates are not re-ranked",
+                      file=sys.stderr, flush=True)
+                ranking = None
+            else:
+                manifest[domain] = replace(manifest[domain], ranking_documents=ranked_docs,
+                                           ranking_tokens=ranking_per_domain)
+    if ranking is None:  # all domains or none: a KL over some of them would rank by those alone
+        manifest = {d: replace(m, ranking_documents=0, ranking_tokens=0) for d, m in manifest.items()}
+    return CalibrationText(out, streams, DataManifest(manifest, len(out), sum(s.numel() for s in out), max_tokens),
+                           ranking or {})

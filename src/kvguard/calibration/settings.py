@@ -32,6 +32,9 @@ class CalibrationConfig:
         seed: random seed.
         low_bit: also search below INT4: INT3, per-layer key / value rotation, the low-bit layout, and plans
             down to about half of the all-INT4 bytes (about twice the sensitivity stage's trials).
+        ranking_tokens: calibration tokens (split over the domains, from documents no sample or held-out slice
+            read) that re-score the closest low-bit candidates at the frontier's mid budgets
+            (:mod:`kvguard.calibration.ranking`); 0: off. Used with ``low_bit`` only.
         objective: the score's weights and the constraints.
         device: where the model runs (``cpu``, ``cuda``, ``auto``; :mod:`kvguard.device`).
     """
@@ -48,6 +51,7 @@ class CalibrationConfig:
     latency_context: int = 1024
     seed: int = 0
     low_bit: bool = True
+    ranking_tokens: int = 3072
     objective: Objective = field(default_factory=Objective)
     device: str = "cpu"
 
@@ -65,6 +69,8 @@ class CalibrationConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.max_tokens < data.MIN_SAMPLE_TOKENS:
             raise ValueError(f"max_tokens must be at least {data.MIN_SAMPLE_TOKENS}, got {self.max_tokens}")
+        if self.ranking_tokens < 0:
+            raise ValueError(f"ranking_tokens must be 0 (off) or positive, got {self.ranking_tokens}")
         if self.heldout_tokens // len(self.domains) < 256:
             raise ValueError(f"heldout_tokens gives each domain {self.heldout_tokens // len(self.domains)} tokens; "
                              f"at least 256 per domain are needed to see quantized keys")
@@ -75,6 +81,8 @@ class CalibrationConfig:
 
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("out", "device")}
         d["objective"] = self.objective.to_dict()
+        if not (self.low_bit and self.ranking_tokens):
+            del d["ranking_tokens"]  # no effect: a run without the ranking keeps the digest it had before it existed
         # A GPU's float kernels round differently, so a CUDA run is a different result; a CPU one keeps the digest
         # it had before there was a device setting (cached `kvguard run` profiles stay valid).
         if name(self.device) != "cpu":
@@ -83,4 +91,4 @@ class CalibrationConfig:
 
     def settings(self) -> Settings:
         return Settings(self.seed, self.batch_size, self.heldout_tokens, self.context, self.head_layers,
-                        self.latency_context)
+                        self.latency_context, self.ranking_tokens if self.low_bit else 0)

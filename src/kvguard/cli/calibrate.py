@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
                    help="samples per statistics batch (default: %(default)s)")
     p.add_argument("--heldout-tokens", type=int, default=default(C, "heldout_tokens"),
                    help="held-out calibration tokens (split over the domains) that score candidates (default: %(default)s)")
+    p.add_argument("--ranking-tokens", type=int, default=default(C, "ranking_tokens"),
+                   help="calibration tokens (split over the domains, past the samples' documents) that re-score the "
+                        "closest low-bit candidates at 0.75 and 0.60 x the all-INT4 bytes; 0: off (default: %(default)s)")
     p.add_argument("--head-layers", type=int, default=default(C, "head_layers"),
                    help="most sensitive layers also measured per KV head (default: %(default)s)")
     p.add_argument("--seed", type=int, default=default(C, "seed"), help="random seed (default: %(default)s)")
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     objective = _objective(args)
     cfg = CalibrationConfig(args.model, args.out, args.samples, tuple(csv(args.domains)), args.max_tokens,
                             args.batch_size, args.heldout_tokens, args.context, args.head_layers,
-                            seed=args.seed, low_bit=args.low_bit, objective=objective, device=target)
+                            seed=args.seed, low_bit=args.low_bit, ranking_tokens=args.ranking_tokens,
+                            objective=objective, device=target)
     if args.ray is None and (args.ray_workers is not None or args.ray_threads != 1):
         raise CommandError("--ray-workers and --ray-threads need --ray")
     ray = None if args.ray is None else RayConfig(args.ray, args.ray_workers, args.ray_threads)

@@ -116,7 +116,8 @@ def profile_dir(cfg: RunConfig, cache: Path):
     from kvguard.calibration.settings import CalibrationConfig
 
     calib = CalibrationConfig(cfg.model, cache / "profiles", cfg.samples, cfg.domains, cfg.max_tokens,
-                              heldout_tokens=cfg.heldout_tokens, head_layers=cfg.head_layers, device=cfg.device)
+                              heldout_tokens=cfg.heldout_tokens, head_layers=cfg.head_layers, device=cfg.device,
+                              ranking_tokens=0)  # quick: the held-out slice alone ranks the candidates
     out = cache / "profiles" / f"{Path(cfg.model).name}-{cfg.samples}-{calib.key()}"  # the key leaves out ``out``
     return replace(calib, out=out), out
 

@@ -20,7 +20,8 @@
 - ``kvguard``: the plan a calibration profile chose (``kvguard calibrate``), INT8 heads with its calibrated
   scales; needs ``--profile``.
 - ``kvguard@<bytes>``: the profile's Pareto-frontier plan storing at most ``<bytes>`` of FP16 (e.g.
-  ``kvguard@0.25``), a more aggressive calibrated plan.
+  ``kvguard@0.25``), a more aggressive calibrated plan; where calibration ranked the closest plans on longer text,
+  the best of those that fits.
 - ``fp8`` / ``fp8:head`` / ``fp8:sglang``: the FP8-E4M3 cache a serving engine keeps with the scales
   ``kvguard export`` writes from the profile (:mod:`kvguard.fp8`): vLLM per tensor (the plan's FP16 layers
   skipped), vLLM per KV head, SGLang (one scale per layer for K and V, no layer skipped); ``fp8:vllm-cpu``:
@@ -196,17 +197,16 @@ def from_profile(profile) -> Method:
 
 def frontier_method(name: str, profile) -> Method:
     """``kvguard@<bytes>``: the profile's Pareto-frontier plan with the lowest held-out KL among those storing
-    at most ``<bytes>`` of FP16 (a more aggressive calibrated plan than the chosen one)."""
+    at most ``<bytes>`` of FP16, or where calibration ranked that plan on longer text, the best ranked with it
+    that fits (:meth:`~kvguard.profile.ProfileMeta.frontier_pick`): a more aggressive plan than the chosen one."""
     try:
         budget = float(name.split("@", 1)[1])
     except ValueError:
         raise ValueError(f"{name!r}: expected kvguard@<bytes ratio>, e.g. kvguard@0.25") from None
-    front = profile.meta.frontier()
-    points = [c for c in front if c.memory <= budget]
-    if not points:
+    point = profile.meta.frontier_pick(budget)
+    if point is None:
         raise ValueError(f"{name!r}: the profile's Pareto frontier has no plan at or below {budget} of FP16 "
-                         f"(its points store {[round(c.memory, 3) for c in front]})")
-    point = min(points, key=lambda c: c.quality.kl)
+                         f"(its points store {[round(c.memory, 3) for c in profile.meta.frontier()]})")
     plan = point.plan
     return Method(name, f"calibrated frontier plan {point.name} ({point.memory:.3f} of FP16 on held-out text)",
                   lambda arch: plan, scales=profile.static_scales())
