@@ -251,6 +251,20 @@ def _table(header: list[str] | None, rows: list[list], numeric: set[int] = froze
     return "\n".join(out)
 
 
+def _search_table(meta, ranked: dict[str, float]) -> str:
+    """Every candidate of the search log; the ranking streams' KL in a column of its own where there is one."""
+    front, log = set(meta.pareto_front), meta.search_log
+    extra = ["KL, ranking streams"] if ranked else []  # a column only where the profile has the stage
+    return _table(
+        ["name", "level", "memory", "ppl increase % (measured)", "ppl increase % (from KL)", "KL", *extra, "score",
+         "feasible", "on frontier"],
+        [[c.name, c.level, f"{c.memory:.4f}", f"{c.ppl_increase_pct:+.3f}", f"{_y(c):+.3f}", f"{c.quality.kl:.3g}",
+          *([f"{ranked[c.name]:.3g}" if c.name in ranked else ""] if ranked else []),
+          f"{c.score:.4g}", "yes" if c.feasible else "no", "yes" if c.name in front else ""] for c in log],
+        numeric=set(range(1, 7 + len(extra))),
+        row_class=lambda r: "chosen" if log[r].name == meta.chosen.name else None)
+
+
 def _html(profile, timeline: str = "") -> str:
     meta = profile.meta
     chosen = meta.chosen
@@ -286,18 +300,9 @@ def _html(profile, timeline: str = "") -> str:
           "/".join(p.value for p in plan.layers[layer].precision)] for r, layer in enumerate(ranking)],
         numeric={0, 1, 2})
 
-    front = set(meta.pareto_front)
-    log = meta.search_log
     # The closest candidates at the mid budgets, scored again on the ranking streams (calibration/ranking.py).
-    ranked = {name: kl for b in meta.record.get("ranking", {}).get("budgets", []) for name, kl in b["kl"].items()}
-    extra = ["KL, ranking streams"] if ranked else []  # a column only where the profile has the stage
-    search_table = _table(
-        ["name", "level", "memory", "ppl increase % (measured)", "ppl increase % (from KL)", "KL", *extra, "score",
-         "feasible", "on frontier"],
-        [[c.name, c.level, f"{c.memory:.4f}", f"{c.ppl_increase_pct:+.3f}", f"{_y(c):+.3f}", f"{c.quality.kl:.3g}",
-          *([f"{ranked[c.name]:.3g}" if c.name in ranked else ""] if ranked else []),
-          f"{c.score:.4g}", "yes" if c.feasible else "no", "yes" if c.name in front else ""] for c in log],
-        numeric=set(range(1, 7 + len(extra))), row_class=lambda r: "chosen" if log[r].name == chosen.name else None)
+    ranked = {name: kl for b in meta.ranked() for name, kl in b.kl.items()}
+    search_table = _search_table(meta, ranked)
 
     seconds = meta.record.get("run", {}).get("seconds", {})
     timing_table = _table(["stage", "seconds"],
