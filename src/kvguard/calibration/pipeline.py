@@ -40,7 +40,7 @@ from kvguard.calibration.monitor_fit import fit_monitor
 from kvguard.calibration.output import check_out, locked
 from kvguard.calibration.ranking import rerank
 from kvguard.calibration.samples import CalibrationText, calibration_text
-from kvguard.calibration.search import DEFAULT_LAYOUT, LAYOUTS, Searcher, best, level2_targets, pareto_front
+from kvguard.calibration.search import LAYOUTS, Searcher, best, int4_bytes, level2_targets, pareto_front
 from kvguard.calibration.settings import RECOMMENDED_SAMPLES, CalibrationConfig
 from kvguard.calibration.sensitivity import Sensitivity, measure, ranking_table
 from kvguard.config import MonitorConfig
@@ -175,7 +175,7 @@ class _Run:
         (:mod:`kvguard.calibration.ranking`); none without ranking streams."""
         if not self.text.ranking:
             return []
-        b4 = next(c.memory for c in log if c.name == f"L1 all-int4 {DEFAULT_LAYOUT}")
+        b4 = int4_bytes(log)
 
         def run():
             bar = None if not self.progress else lambda it, total: tqdm(it, total=total, desc="ranking", unit="plan")

@@ -111,6 +111,11 @@ def low_bit_layout(model_config, context: int) -> str:
     return min(fitting, key=int3_bytes) if fitting else DEFAULT_LAYOUT
 
 
+def int4_bytes(candidates: list[Candidate]) -> float:
+    """B4: level 1's all-INT4 plan in the default layout, its bytes over FP16's (the unit of the low-bit targets)."""
+    return next(c.memory for c in candidates if c.name == f"L1 all-int4 {DEFAULT_LAYOUT}")
+
+
 def best(candidates: list[Candidate]) -> Candidate:
     """The lowest score among feasible candidates; with none feasible, the lowest score among those that keep
     the perplexity limit, else overall (the caller reports that the constraints were not met)."""
@@ -281,7 +286,7 @@ class Searcher:
         :meth:`low_bit_layouts`, each plan from :data:`CORRECTED_FROM` x B4 up also with the softmax-bias correction
         (:meth:`corrected`), and the same plans without rotation and without INT3 at :data:`ABLATION_TARGETS`."""
         by_name = {c.name: c for c in level1}
-        b4 = by_name[f"L1 all-int4 {DEFAULT_LAYOUT}"].memory
+        b4 = int4_bytes(level1)
         rot3, rot2 = (by_name.get(f"L1 all-{t}+rot {DEFAULT_LAYOUT}") for t in ("int3", "int2"))
         ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
         rotate = self.rotatable
