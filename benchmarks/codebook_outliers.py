@@ -109,16 +109,23 @@ def _lloyd(u: torch.Tensor, levels: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fit_levels(model, calib_ids: list[torch.Tensor], bits_list, rotate_list, group_size: int) -> dict:
-    """Codebooks ``{(layer, keys, bits): levels}`` per rotation setting, from K/V of calibration text."""
+def calibration_kv(model, calib_ids: list[torch.Tensor]) -> dict[int, list]:
+    """Per layer, the ``(keys, values)`` ``[1, H, T, D]`` (float32) of each calibration stream."""
     from transformers import DynamicCache
 
     kv: dict[int, list] = {}
     for ids in calib_ids:
         cache = DynamicCache()
-        model(input_ids=ids.reshape(1, -1), cache=cache, use_cache=True)
+        model(input_ids=ids.reshape(1, -1), past_key_values=cache, use_cache=True)
         for i, layer in enumerate(cache.layers):
-            kv.setdefault(i, []).append((layer.keys.float(), layer.values.float()))  # [1, H, T, D]
+            kv.setdefault(i, []).append((layer.keys.float(), layer.values.float()))
+    return kv
+
+
+@torch.no_grad()
+def fit_levels(model, calib_ids: list[torch.Tensor], bits_list, rotate_list, group_size: int) -> dict:
+    """Codebooks ``{(layer, keys, bits): levels}`` per rotation setting, from K/V of calibration text."""
+    kv = calibration_kv(model, calib_ids)
     gen = torch.Generator().manual_seed(0)
     books: dict[bool, dict] = {r: {} for r in rotate_list}
     for i, pairs in kv.items():

@@ -24,7 +24,7 @@ import math
 import sys
 
 import torch
-from codebook_outliers import _lloyd  # run as a script: benchmarks/ is on sys.path
+from codebook_outliers import _lloyd, calibration_kv  # run as a script: benchmarks/ is on sys.path
 from lowbit import print_table
 
 from kvguard import rotation
@@ -61,17 +61,10 @@ class Codebook:
 
 
 @torch.no_grad()
-def fit(model, plan, calib: list[torch.Tensor], scales) -> dict:
+def fit(model, plan, calib: list[torch.Tensor]) -> dict:
     """Levels ``{(layer, keys, bits): [2**bits]}`` for every width below 4 bits the plan uses, per layer and side,
     from K/V of calibration text as the plan stores them (its rotation, its cache layout's spec)."""
-    from transformers import DynamicCache
-
-    kv: dict[int, list] = {}
-    for ids in calib:
-        cache = DynamicCache()
-        model(input_ids=ids.reshape(1, -1), past_key_values=cache, use_cache=True)
-        for i, layer in enumerate(cache.layers):
-            kv.setdefault(i, []).append((layer.keys.float(), layer.values.float()))  # [1, H, T, D]
+    kv = calibration_kv(model, calib)
     gen = torch.Generator().manual_seed(0)
     out = {}
     for i, lp in enumerate(plan.layers):
@@ -126,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     fitted = {}
     for name in args.methods.split(","):
         plan = methods.get(name, profile).plan(arch)
-        fitted[name] = (plan, fit(model, plan, calib, scales))
+        fitted[name] = (plan, fit(model, plan, calib))
         print(f"{name}: levels fitted for {len(fitted[name][1])} (layer, side, width)", flush=True)
     rows = []
     for corpus in corpora:
