@@ -1,20 +1,25 @@
-"""Ablation: the calibration's scoring pass, as it is and with its three former hot spots swapped back in.
+"""Ablation: the calibration's scoring pass, as it is and with its former hot spots swapped back in.
 
-Calibration's sensitivity and search stages score every candidate plan with the exact chunk-1 simulation on the
-held-out streams (``kvguard.calibration.heldout``). Three of its steps were rewritten for speed, each to compute
-the same numbers bit for bit:
+Calibration's sensitivity, search and ranking stages score every candidate plan with the exact chunk-1 simulation
+on calibration streams (``kvguard.calibration.heldout``). Four of its steps were rewritten for speed, each to
+compute the same numbers bit for bit:
 
 - the simulated attention blends the quantized and full-precision reads with 0 / 1 factors instead of
   ``torch.where`` / ``masked_fill`` with a broadcast boolean mask (several times slower on CPU over ``[B, H, T, T]``);
 - the range search (``CacheConfig.range_search``) measures its eight shrinkings of every group in one batch of
   tensor ops instead of one candidate at a time;
-- the Hadamard butterflies write both halves into one buffer instead of stacking them.
+- the Hadamard butterflies write both halves into one buffer instead of stacking them;
+- the simulated attention runs 128 queries at a time (``simulate._QUERY_BLOCK``) instead of all ``T`` at once, so
+  its ``[B, H, 128, T]`` temporaries stay in cache.
 
 This script scores plans from a profile's search log both ways, one after the other in one process (this machine's
 speed drifts between runs), checks that both ways give the same KL, perplexity change and top-1 agreement, and prints
-the median seconds per scoring pass:
+the median seconds per scoring pass. ``--former all`` swaps all four back (the blend by products with the whole
+``[T, T]`` at once), ``--former blocks`` only the last:
 
     python benchmarks/simulation_speed.py --model smollm2-135m --profile benchmarks/profiles/smollm2-135m-512
+    python benchmarks/simulation_speed.py --model smollm2-135m --profile benchmarks/profiles/smollm2-135m-512 \
+        --former blocks --tokens 2048
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ def _old_call(self, module, query, key, value, attention_mask, *, scaling, softc
     exact_self = (q32 * attention.expand_kv(key.to(torch.float32), rep)).sum(-1) * scaling  # [B, Hq, T]
     scores = torch.where(diagonal, exact_self.unsqueeze(-1), scores)
     if plan.cache.score_correction:
-        scores = scores + simulate._score_correction(q32 * scaling, k_fp, plan, layer_idx, end).masked_fill(~quantized, 0.0)
+        q2, var = simulate._score_noise(q32 * scaling, k_fp, plan, layer_idx, end)
+        scores = scores + (-0.5 * (q2 @ var.transpose(-1, -2))).masked_fill(~quantized, 0.0)
     scores = attention.softcapped(scores, softcap)
     if attention_mask is not None:
         scores = scores + attention_mask.to(torch.float32)
@@ -86,7 +92,7 @@ def _old_call(self, module, query, key, value, attention_mask, *, scaling, softc
 
 @contextlib.contextmanager
 def former_code():
-    """Within this block the scoring pass runs the three former implementations."""
+    """Within this block the scoring pass runs the four former implementations."""
     from kvguard import quantizer, rotation, simulate
 
     kept = simulate._SimulationHook.__call__, quantizer._searched_grid, rotation._fwht
@@ -95,6 +101,19 @@ def former_code():
         yield
     finally:
         simulate._SimulationHook.__call__, quantizer._searched_grid, rotation._fwht = kept
+
+
+@contextlib.contextmanager
+def whole_matrix():
+    """Within this block the simulated attention runs every query at once (one block of all ``T``)."""
+    from kvguard import simulate
+
+    kept = simulate._QUERY_BLOCK
+    simulate._QUERY_BLOCK = 1 << 30
+    try:
+        yield
+    finally:
+        simulate._QUERY_BLOCK = kept
 
 
 def _plans(profile_dir: str, count: int) -> dict:
@@ -118,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=512, help="tokens per calibration corpus (the held-out slice's)")
     p.add_argument("--plans", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--former", choices=("all", "blocks"), default="all",
+                   help="all: the four former hot spots; blocks: only all queries at once")
     args = p.parse_args(argv)
+    swap = former_code if args.former == "all" else whole_matrix
     model, tok = models.load(args.model)
     streams = {c: data.token_stream(c, "calib", tok, args.tokens) for c in ("prose", "dialog", "code")}
     heldout = HeldOut(model, streams)
@@ -127,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, plan in _plans(args.profile, args.plans).items():
         scores = {}
         for _ in range(args.repeats):
-            for way, block in (("now", contextlib.nullcontext), ("former", former_code)):
+            for way, block in (("now", contextlib.nullcontext), ("former", swap)):
                 with block():
                     start = time.perf_counter()
                     scores[way] = heldout.score(plan, scales)

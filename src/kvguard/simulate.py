@@ -10,12 +10,14 @@ what chunk-1 decoding would show it:
   i.e. for queries ``t >= S + R + (k+1)G`` (``S`` sinks, ``R`` residual, ``G`` group size).
 
 Each attention layer therefore scores every query against both versions of every key and picks per
-(query, key) pair, through the attention harness (:mod:`kvguard.attention`), so no modeling code is forked. Memory is ``O(heads * T^2)`` per layer, as for eager attention.
+(query, key) pair, through the attention harness (:mod:`kvguard.attention`), so no modeling code is forked. Queries are
+attended a block at a time (:data:`_QUERY_BLOCK`), so the temporaries are ``O(heads * block * T)`` per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -119,15 +121,73 @@ def _key_step_variance(k_fp: torch.Tensor, precisions, start: int, end: int, cac
     return var
 
 
-def _score_correction(query: torch.Tensor, k_fp: torch.Tensor, plan: Plan, layer: int, end: int) -> torch.Tensor:
-    """``[B, H_q, T, T]``: :mod:`kvguard.score_bias`'s correction of every (query, key) score, as the cache applies
-    it to keys read from their codes (``query`` times the score scaling; the caller masks it to those keys)."""
+def _score_noise(query: torch.Tensor, k_fp: torch.Tensor, plan: Plan, layer: int, end: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two factors of :mod:`kvguard.score_bias`'s correction of every (query, key) score, as the cache applies
+    it to keys read from their codes: ``-0.5 * q2 @ var.T`` is ``[B, H_q, T_q, T_k]`` (``query`` times the score
+    scaling; ``q2`` ``[B, H_q, T, D]`` the squared queries, rotated where the keys are; ``var`` the keys' rounding
+    variance expanded to the query heads; the caller masks the product to the quantized keys)."""
     lp = plan.layers[layer]
     rot = rotation.signs(k_fp.shape[-1], k_fp.shape[1], layer, k_fp.device) if lp.key_rotation else None
     var = _key_step_variance(k_fp, lp.precision, plan.cache.sinks, end, plan.cache, lp.key_clip, rot)
     rep = query.shape[1] // k_fp.shape[1]
     q = query if rot is None else rotation.rotate(query, rot.repeat_interleave(rep, dim=0))
-    return -0.5 * (q.square() @ attention.expand_kv(var, rep).transpose(-1, -2))
+    return q.square(), attention.expand_kv(var, rep)
+
+
+# Queries attended per step. Each step's [B, H, queries, T] temporaries are then a few MiB, read and written in
+# cache rather than main memory: on 2,048-token streams a pass takes half the time of the whole [B, H, T, T] at
+# once. Every query still scores all T keys (later ones masked), so each row's softmax and each output's sum over
+# keys run over the same T values in the same order: the same numbers, bit for bit (benchmarks/simulation_speed.py).
+_QUERY_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """One layer's queries and what each (query, key) pair reads, attended a block of queries at a time
+    (:meth:`attend`). Queries, keys and values are float32 ``[B, H_q, T, D]`` (KV heads expanded to the query
+    heads)."""
+
+    q32: torch.Tensor
+    k_fp: torch.Tensor
+    k_q: torch.Tensor
+    v_fp: torch.Tensor
+    v_q: torch.Tensor
+    value: torch.Tensor  # as computed: each query reads its own value unrounded
+    exact_self: torch.Tensor  # [B, H_q, T]: each query's score against its own key as computed
+    quantized: torch.Tensor  # [T_q, T_k] bool: the pair reads the quantized copy
+    mask: torch.Tensor | None  # [B, 1, T, T] additive
+    scaling: float
+    softcap: float | None
+    bias: torch.Tensor | None = None  # [B, H_q, T, T]: a ScoreBias's correction
+    noise: tuple[torch.Tensor, torch.Tensor] | None = None  # _score_noise's factors
+
+    def attend(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, out)`` of queries ``[start, stop)`` over every key: ``[B, H_q, n, T]`` and ``[B, H_q, n, D]``
+        (``n = stop - start``)."""
+        q = self.q32[:, :, start:stop]
+        read_q = self.quantized[start:stop].to(torch.float32)
+        read_fp = 1.0 - read_q
+        # Which version each (query, key) pair reads, as 0 / 1 factors: a blend by products is exact (one product of
+        # each sum is 0, and scores and probabilities are finite) and on CPU several times faster over [B, H, T, T]
+        # than torch.where or masked_fill with a broadcast boolean mask.
+        scores = torch.addcmul(q @ self.k_fp.transpose(-1, -2) * read_fp,
+                               q @ self.k_q.transpose(-1, -2), read_q) * self.scaling
+        scores.diagonal(start, dim1=-2, dim2=-1).copy_(  # query start + i's own key: offset `start`
+            self.exact_self[:, :, start:stop])
+        if self.bias is not None:
+            scores = scores + self.bias[:, :, start:stop] * read_q
+        elif self.noise is not None:
+            q2, var = self.noise
+            scores = scores + -0.5 * (q2[:, :, start:stop] @ var.transpose(-1, -2)) * read_q
+        scores = attention.softcapped(scores, self.softcap)
+        if self.mask is not None:
+            scores = scores + self.mask[..., start:stop, :].to(torch.float32)
+        probs = torch.softmax(scores, dim=-1)
+        read_fp.diagonal(start).fill_(0.0)  # the query's own value is added below, as computed
+        out = (probs * read_q) @ self.v_q + (probs * read_fp) @ self.v_fp
+        out = out + probs.diagonal(start, dim1=-2, dim2=-1).unsqueeze(-1) * self.value[:, :, start:stop]
+        return probs, out
 
 
 class _SimulationHook:
@@ -170,34 +230,25 @@ class _SimulationHook:
             raise RuntimeError("simulation needs the whole stream in one forward pass, without a cache")
         k_fp, v_fp, k_q, v_q, end, switch = self.stored(layer_idx, key, value)
         rep = query.shape[1] // key.shape[1]
-
         q32 = query.to(torch.float32)
         positions = torch.arange(t, device=query.device)
         quantized = positions[:, None] >= switch.to(query.device)[None, :]  # [T_q, T_k]
-        # Which version each (query, key) pair reads, as 0 / 1 factors: a blend by products is exact (one product of
-        # each sum is 0, and scores and probabilities are finite) and on CPU several times faster over [B, H, T, T]
-        # than torch.where or masked_fill with a broadcast boolean mask.
-        read_q = quantized.to(torch.float32)
-        read_fp = 1.0 - read_q
-        scores = torch.addcmul(q32 @ attention.expand_kv(k_fp, rep).transpose(-1, -2) * read_fp,
-                               q32 @ attention.expand_kv(k_q, rep).transpose(-1, -2), read_q) * scaling
+        k_fp_e, k_q_e, v_fp_e, v_q_e, key_e, value_e = (attention.expand_kv(x.to(torch.float32), rep)
+                                                        for x in (k_fp, k_q, v_fp, v_q, key, value))
         # The query's own key is used as computed (the cache returns new tokens unrounded).
-        exact_self = (q32 * attention.expand_kv(key.to(torch.float32), rep)).sum(-1) * scaling  # [B, Hq, T]
-        scores.diagonal(dim1=-2, dim2=-1).copy_(exact_self)
-        if self.score_bias is not None:
-            scores = scores + self.score_bias(layer_idx, q32 * scaling, k_fp) * read_q
-        elif plan.cache.score_correction:
-            scores = scores + _score_correction(q32 * scaling, k_fp, plan, layer_idx, end) * read_q
-        scores = attention.softcapped(scores, softcap)
-        if attention_mask is not None:
-            scores = scores + attention_mask.to(torch.float32)
-        probs = torch.softmax(scores, dim=-1)
-        if self.observer is not None:
+        exact_self = (q32 * key_e).sum(-1) * scaling  # [B, Hq, T]
+        bias = None if self.score_bias is None else self.score_bias(layer_idx, q32 * scaling, k_fp)
+        noise = None
+        if bias is None and plan.cache.score_correction:
+            noise = _score_noise(q32 * scaling, k_fp, plan, layer_idx, end)
+        reads = _Reads(q32, k_fp_e, k_q_e, v_fp_e, v_q_e, value_e, exact_self, quantized, attention_mask, scaling,
+                       softcap, bias, noise)
+        if self.observer is not None:  # it sees the whole [B, H, T, T] at once
+            probs, out = reads.attend(0, t)
             self.observer(layer_idx, probs, quantized, k_fp, k_q, v_fp, v_q, attention_mask)
-        read_fp.fill_diagonal_(0.0)  # the query's own value is added below, as computed
-        out = (probs * read_q) @ attention.expand_kv(v_q, rep) + (probs * read_fp) @ attention.expand_kv(v_fp, rep)
-        out = out + probs.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * attention.expand_kv(value.to(torch.float32), rep)
-        return out.to(query.dtype)
+            return out.to(query.dtype)
+        outs = [reads.attend(start, min(start + _QUERY_BLOCK, t))[1] for start in range(0, t, _QUERY_BLOCK)]
+        return torch.cat(outs, dim=2).to(query.dtype)  # [B, H_q, T, D]
 
 
 @contextlib.contextmanager
