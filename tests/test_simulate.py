@@ -74,6 +74,26 @@ def test_simulation_matches_chunk1_streaming(model_name, tiers, rotate, value_gr
     assert not math.isclose(fp.perplexity, simulated.perplexity, rel_tol=1e-4)
 
 
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3_6_layers"])
+def test_blocks_of_queries_give_the_numbers_of_all_queries_at_once(model_name, request, monkeypatch):
+    """The simulated attention runs a block of queries at a time over every key: bit for bit what it computes with
+    all queries at once, across blocks (300 tokens, 3 blocks), with rotation, every tier, the score correction and
+    (Gemma 3) a sliding window it runs past."""
+    from kvguard import simulate
+
+    model, tok = request.getfixturevalue(model_name)
+    arch = Architecture.from_config(model.config)
+    cfg = CacheConfig(residual=16, sinks=4, group_size=16, score_correction=True)
+    plan = _mixed_plan(arch, cfg, ("int2", "int3", "int4", "fp16"), rotate=True)
+    ids = data.token_stream("code", "eval", tok, 300)
+    assert ids.numel() > 2 * simulate._QUERY_BLOCK
+    blocked = simulate_logits(model, ids, plan)
+    monkeypatch.setattr(simulate, "_QUERY_BLOCK", ids.numel())
+    assert torch.equal(blocked, simulate_logits(model, ids, plan))
+    # and the score correction is in both: it moves the logits
+    assert not torch.equal(blocked, simulate_logits(model, ids, plan.with_score_correction(False)))
+
+
 def test_an_8_bit_window_simulates_as_it_streams(smollm2):
     """The window in the INT8 tier's format (``window_bits=8``) under scales calibrated on other text: the
     simulation reads it and quantizes the history from it as the cache does."""
