@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,8 +25,33 @@ import torch
 from kvguard import models
 from kvguard.calibration.heldout import HeldOut
 from kvguard.calibration.samples import calibration_text
-from kvguard.plan import Plan
+from kvguard.plan import Plan, StaticScales
 from kvguard.profile import Profile
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A profile's ranked candidates, ready to score again."""
+
+    model: object
+    tokenizer: object
+    meta: dict  # profile.json
+    scales: StaticScales
+    plans: dict[str, Plan]  # the candidates the ranking stage scored, by name, in its order
+    budgets: list[dict]  # profile.json's ranking budgets
+
+
+def load_ranked(model_name: str, profile: Path) -> Ranked:
+    torch.manual_seed(0)
+    model, tokenizer = models.load(model_name)
+    meta = json.loads((profile / "profile.json").read_text())
+    if "ranking" not in meta:
+        raise SystemExit(f"{profile} records no ranking stage")
+    log = {c["name"]: c for c in meta["search_log"]}
+    budgets = meta["ranking"]["budgets"]
+    names = dict.fromkeys(n for b in budgets for n in b["kl"])
+    plans = {name: Plan.from_dict(log[name]["plan"]) for name in names}
+    return Ranked(model, tokenizer, meta, Profile.load(profile).static_scales(), plans, budgets)
 
 
 def ranking_streams(meta: dict, tokenizer) -> dict[str, torch.Tensor]:
@@ -46,28 +72,22 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the KLs here")
     args = ap.parse_args()
 
-    torch.manual_seed(0)
-    model, tokenizer = models.load(args.model)
-    scales = Profile.load(args.profile).static_scales()
-    meta = json.loads((args.profile / "profile.json").read_text())
-    plans = {c["name"]: Plan.from_dict(c["plan"]) for c in meta["search_log"]}
-    budgets = meta["ranking"]["budgets"]
-    names = list(dict.fromkeys(n for b in budgets for n in b["kl"]))
-    streams = ranking_streams(meta, tokenizer)
+    ranked = load_ranked(args.model, args.profile)
+    streams = ranking_streams(ranked.meta, ranked.tokenizer)
     shortest = min(int(s.numel()) for s in streams.values())
     kl: dict[int, dict[str, float]] = {}
     for n in (int(x) for x in args.lengths.split(",")):
         if n > shortest:
             raise SystemExit(f"the ranking streams hold {shortest} tokens per domain, not {n}")
-        heldout, start = HeldOut(model, {d: s[:n] for d, s in streams.items()}), time.perf_counter()
-        kl[n] = {name: heldout.score(plans[name], scales).kl for name in names}
-        print(f"[ranking_length] {n} tokens per domain: {len(names)} candidates in {time.perf_counter() - start:.0f} s")
-        for b in budgets:
+        heldout, start = HeldOut(ranked.model, {d: s[:n] for d, s in streams.items()}), time.perf_counter()
+        kl[n] = {name: heldout.score(plan, ranked.scales).kl for name, plan in ranked.plans.items()}
+        print(f"[ranking_length] {n} tokens per domain: {len(kl[n])} candidates in {time.perf_counter() - start:.0f} s")
+        for b in ranked.budgets:
             pick = min(b["kl"], key=kl[n].__getitem__)
             print(f"  <= {b['share']} x B4: " + "; ".join(f"{name}: {kl[n][name]:.5f}" for name in b["kl"])
                   + f"; pick {pick}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"budgets": budgets, "kl": kl}, indent=1))
+        args.json.write_text(json.dumps({"budgets": ranked.budgets, "kl": kl}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -126,6 +128,13 @@ class Candidate:
                    PlanScore.from_dict(d["quality"]), float(d["score"]), bool(d["feasible"]))
 
 
+# How much lower (in ln KL) a ranked candidate's ranking KL has to be than the held-out pick's to replace it: twice the
+# standard error of the ranking's ln KL ratio between close candidates from one stream per domain, measured on twelve
+# further 2,048-token streams of SmolLM2's calibration text (benchmarks/ranking_noise.py: a median spread of 0.157
+# within a domain, / sqrt(3) domains). A smaller margin is within what another stream of the same text would reverse.
+RANKING_MARGIN = 0.18
+
+
 @dataclass(frozen=True)
 class RankedBudget:
     """Candidates calibration scored again on longer calibration text (``kvguard.calibration.ranking``) at one
@@ -141,10 +150,16 @@ class RankedBudget:
     memory: float
     kl: dict[str, float]
 
+    def choose(self, held_out_pick: str, names: Iterable[str]) -> str:
+        """Among ``names`` (ranked here), the lowest ranking KL (the held-out order breaks a tie) where it is lower
+        than ``held_out_pick``'s by more than :data:`RANKING_MARGIN`; else ``held_out_pick``."""
+        best = min(names, key=self.kl.__getitem__)
+        return best if self.kl[best] < self.kl[held_out_pick] * math.exp(-RANKING_MARGIN) else held_out_pick
+
     @property
     def pick(self) -> str:
-        """The lowest ranking KL (the held-out order breaks a tie)."""
-        return min(self.kl, key=self.kl.__getitem__)
+        """What the ranking runs at this budget: :meth:`choose` over the held-out pick (the first)."""
+        return self.choose(next(iter(self.kl)), self.kl)
 
     def to_dict(self) -> dict:
         return {"share": self.share, "memory": self.memory, "kl": dict(self.kl), "pick": self.pick}
@@ -239,7 +254,8 @@ class ProfileMeta:
     def frontier_pick(self, memory: float) -> Candidate | None:
         """The plan ``kvguard@<memory>`` runs: the frontier candidate with the lowest held-out KL at or below
         ``memory``; where that one was ranked, the one with the lowest ranking KL among those ranked with it that
-        fit (the longer text's word over the held-out slice's); ``None`` where nothing fits."""
+        fit, where that is lower by more than :data:`RANKING_MARGIN` (the longer text's word over the held-out
+        slice's); ``None`` where nothing fits."""
         points = [c for c in self.frontier() if c.memory <= memory]
         if not points:
             return None
@@ -248,7 +264,7 @@ class ProfileMeta:
         for budget in self.ranked():
             if point.name in budget.kl:
                 fits = [name for name in budget.kl if log[name].memory <= memory]
-                return log[min(fits, key=budget.kl.__getitem__)]
+                return log[budget.choose(point.name, fits)]
         return point
 
     def plan_summary(self) -> str:

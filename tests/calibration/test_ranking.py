@@ -3,6 +3,7 @@ candidates at the mid budgets (the budgets' groups, and the plan ``kvguard@<byte
 in test_low_bit."""
 
 import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ from kvguard.architecture import Architecture
 from kvguard.calibration.ranking import RANKED_CANDIDATES, closest
 from kvguard.calibration.samples import calibration_text
 from kvguard.plan import Plan
-from kvguard.profile import DataManifest, RankedBudget, Settings
+from kvguard.profile import RANKING_MARGIN, DataManifest, RankedBudget, Settings
 from tests.helpers import candidate, profile_meta, tiny_llama
 
 
@@ -42,7 +43,7 @@ def test_a_budget_with_one_candidate_is_not_ranked():
 def test_kvguard_at_bytes_takes_the_ranking_s_word_where_its_held_out_pick_was_ranked():
     log = _candidates([("a", 0.300, 0.010), ("b", 0.290, 0.008), ("c", 0.280, 0.009), ("d", 0.200, 0.030),
                        ("e", 0.400, 0.001)])
-    budget = RankedBudget(0.75, 0.30, {"b": 0.030, "c": 0.025, "a": 0.020})
+    budget = RankedBudget(0.75, 0.30, {"b": 0.030, "c": 0.020, "a": 0.015})  # each beats "b" by more than the margin
     assert budget.pick == "a" and RankedBudget.from_dict(budget.to_dict()) == budget
     meta = profile_meta(log[0].plan, search_log=tuple(log), pareto_front=("d", "b", "a", "e"),
                         record={"ranking": {"tokens_per_domain": 512, "budgets": [budget.to_dict()]}})
@@ -53,6 +54,19 @@ def test_kvguard_at_bytes_takes_the_ranking_s_word_where_its_held_out_pick_was_r
     assert meta.frontier_pick(0.1) is None
     unranked = replace(meta, record={})
     assert unranked.frontier_pick(0.30).name == "b"
+
+
+@pytest.mark.parametrize("factor, replaced", [(1.001, False), (0.999, True)])
+def test_the_ranking_replaces_the_held_out_pick_only_by_more_than_its_margin(factor, replaced):
+    log = _candidates([("a", 0.300, 0.010), ("b", 0.290, 0.008)])
+    # "b" is the held-out pick; "a" has the lower ranking KL, by just under / just over the margin.
+    budget = RankedBudget(0.75, 0.30, {"b": 0.0100, "a": 0.0100 * math.exp(-RANKING_MARGIN) * factor})
+    want = "a" if replaced else "b"
+    assert budget.pick == want and budget.to_dict()["pick"] == want
+    meta = profile_meta(log[0].plan, search_log=tuple(log), pareto_front=("b", "a"),
+                        record={"ranking": {"tokens_per_domain": 512, "budgets": [budget.to_dict()]}})
+    assert meta.frontier_pick(0.30).name == want
+    assert meta.frontier_pick(0.295).name == "b"  # "a" does not fit
 
 
 @pytest.mark.slow

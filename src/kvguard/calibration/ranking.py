@@ -12,7 +12,9 @@ So at each of :data:`RANKED_TARGETS` those :data:`RANKED_CANDIDATES` closest can
 below them with a lower held-out KL than one of them, are scored again on the ranking streams
 (``ranking_tokens`` from calibration documents no sample or held-out slice read). The profile keeps those KLs
 (:class:`~kvguard.profile.RankedBudget`), and ``kvguard@<bytes>``, where its held-out pick was ranked, runs the
-lowest ranking KL among those ranked with it that fit the bytes (:meth:`~kvguard.profile.ProfileMeta.frontier_pick`).
+lowest ranking KL among those ranked with it that fit the bytes where it beats the held-out pick's by more than
+:data:`~kvguard.profile.RANKING_MARGIN` (:meth:`~kvguard.profile.ProfileMeta.frontier_pick`): one stream per domain
+cannot tell closer plans apart (``benchmarks/ranking_noise.py``).
 The held-out scores stay in the search log as measured; the chosen plan is still decided by them.
 """
 
