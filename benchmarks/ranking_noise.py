@@ -46,7 +46,8 @@ def unread_streams(meta: dict, tokenizer, count: int, tokens: int) -> list[tuple
 
 def pair_lines(budgets: list[dict], kl: dict[str, list[float]]) -> list[str]:
     """Per budget and pair of candidates: streams where the first is lower, mean and spread of ln(KL_a / KL_b)."""
-    lines = ["| budget | a | b | a lower on | mean ln(a / b) | std | ranking stream's ln(a / b) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| budget | a | b | a lower on | mean ln(a / b) | std | ranking stream's ln(a / b) |",
+             "|---|---|---|---|---|---|---|"]
     for b in budgets:
         for x, y in itertools.combinations(b["kl"], 2):
             logs = [math.log(p / q) for p, q in zip(kl[x], kl[y])]
