@@ -1,0 +1,176 @@
+"""Would quantizing keys before RoPE (as KVQuant does) move the calibrated frontier? Each ``kvguard@<bytes>`` plan of
+a profile, on and off at its own bytes.
+
+    .venv/bin/python benchmarks/prerope_keys.py --model smollm2-135m --profile benchmarks/profiles/smollm2-135m-512 \\
+        --methods kvguard@0.258544921875,kvguard@0.20683593749999998,kvguard@0.15468563503689237 \\
+        --corpus prose,code,dialog --tokens 2048 --json benchmarks/results/smollm2-135m-prerope-keys.json
+    .venv/bin/python benchmarks/prerope_keys.py --model smollm2-135m --profile benchmarks/profiles/smollm2-135m-512 \\
+        --tokens 1024 --key-error 64      # only the keys' squared error before / after RoPE, calibration text
+
+The cache stores keys after RoPE, as every engine does, and groups them per channel over ``group_size`` tokens
+(KIVI's layout). RoPE turns each pair of channels by an angle that grows with the position, so within a group a
+high-frequency pair's two channels trade values back and forth and each channel's range spans both. KVQuant
+quantizes keys before RoPE instead and applies RoPE to what it reads back. ``+prerope`` does that to every key head
+below 8 bits: it undoes RoPE on the stored keys (an exact rotation per pair, up to float rounding), quantizes them as
+the plan stores them (the plan's Hadamard rotation of that layer's keys, scales, ranges), and rotates what it reads
+back to its position again. Values have no RoPE and are stored as the plan stores them. The bytes are the plan's own.
+It runs through the exact chunk-1 simulation's ``codec`` on the ``eval`` split; it is in neither the cache nor the
+search (a cache would apply RoPE to every key it reads, and no engine's kernel reads pre-RoPE keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import math
+import sys
+
+import torch
+from lowbit import print_table  # run as a script: benchmarks/ is on sys.path
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@contextlib.contextmanager
+def prerope(cos: list[torch.Tensor], sin: list[torch.Tensor]):
+    """Within this block the simulation stores every key head below 8 bits before RoPE: ``cos`` / ``sin`` are per
+    layer ``[T, D]``, the model's own rotary embedding at positions ``0..T-1``."""
+    from kvguard import simulate
+    from kvguard.quantizer import Axis
+
+    kept = simulate._quantized_copy
+
+    def copy(x, precisions, start, end, axis, cache, clip, absmax=None, rot=None, codec=None, layer=0):
+        plain = kept(x, precisions, start, end, axis, cache, clip, absmax, rot, codec, layer)
+        if axis is not Axis.CHANNEL:  # values: no RoPE
+            return plain
+        c, s = cos[layer][:x.shape[2]], sin[layer][:x.shape[2]]  # [T, D]
+        pre = x * c - _rotate_half(x) * s  # [B, H, T, D], RoPE by minus each position's angle
+        read = kept(pre, precisions, start, end, axis, cache, clip, absmax, rot, codec, layer)
+        read = read * c + _rotate_half(read) * s
+        low = torch.tensor([p.is_quantized and p.bits < 8 for p in precisions], device=x.device)
+        return torch.where(low.view(1, -1, 1, 1), read, plain)  # INT8 heads keep their post-RoPE scales
+
+    simulate._quantized_copy = copy
+    try:
+        yield
+    finally:
+        simulate._quantized_copy = kept
+
+
+def rope_tables(model, t: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, the model's ``cos`` / ``sin`` ``[T, D]`` at positions ``0..t-1`` (Gemma 3: its sliding and full
+    layers' own bases)."""
+    rope = model.model.rotary_emb
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    x = torch.zeros(1, t, head_dim)
+    positions = torch.arange(t)[None]
+    per_type = "layer_type" in inspect.signature(rope.forward).parameters  # Gemma 3: one base per layer type
+    cos, sin = [], []
+    for kind in types:
+        c, s = rope(x, positions, kind) if per_type else rope(x, positions)
+        cos.append(c[0].float())
+        sin.append(s[0].float())
+    return cos, sin
+
+
+@torch.no_grad()
+def key_error(model, tok, group: int, tokens: int) -> None:
+    """Print, per width and with / without the Hadamard rotation, the squared error of every layer's keys stored
+    before RoPE over that stored after it, with float16 and with one-byte scales (``--key-error``: calibration text
+    of each corpus, groups of ``group`` tokens, no clipping)."""
+    from kvguard import attention, data, rotation
+    from kvguard.quantizer import Axis, QuantSpec, quantize
+
+    cos, sin = rope_tables(model, tokens)
+    keys: dict[int, list[torch.Tensor]] = {}
+
+    def hook(module, query, key, value, mask, *, scaling, softcap):
+        keys.setdefault(module.layer_idx, []).append(key.float())
+        return attention.attend(query, key, value, mask, scaling=scaling, softcap=softcap)
+
+    for corpus in ("prose", "code", "dialog"):
+        with attention.hooked(model, hook):
+            model(input_ids=data.token_stream(corpus, "calib", tok, tokens)[None], use_cache=False)
+    for bits in ("int3", "int2"):
+        for rotated in (False, True):
+            err = {}
+            for layer, seen in keys.items():
+                for k in seen:
+                    t = k.shape[2] // group * group
+                    post = k[:, :, :t]  # [1, H, T, D]
+                    pre = post * cos[layer][:t] - _rotate_half(post) * sin[layer][:t]
+                    signs = rotation.signs(k.shape[-1], k.shape[1], layer, k.device) if rotated else None
+                    for where, x in (("post", post), ("pre", pre)):
+                        x = rotation.rotate(x, signs) if rotated else x
+                        for scale_bits in (16, 8):
+                            spec = QuantSpec(bits, Axis.CHANNEL, group, 1.0, False, scale_bits, scale_bits == 8)
+                            e = float((quantize(x, spec).dequantize(torch.float32) - x).square().sum())
+                            err[where, scale_bits] = err.get((where, scale_bits), 0.0) + e
+            print(f"{bits}, {'rotated' if rotated else 'not rotated'}: key squared error before / after RoPE "
+                  f"{err['pre', 16] / err['post', 16]:.3f} (float16 scales), {err['pre', 8] / err['post', 8]:.3f} "
+                  f"(one-byte scales, searched ranges)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvguard import data, models
+    from kvguard.architecture import Architecture
+    from kvguard.evaluation import methods
+    from kvguard.evaluation.scoring import score_logits, score_simulated
+    from kvguard.plan import Plan
+    from kvguard.profile import Profile
+    from kvguard.simulate import simulate_logits
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--methods", help="kvguard@<bytes>,...: each is scored off and +prerope")
+    p.add_argument("--corpus", default="prose,code,dialog")
+    p.add_argument("--split", default="eval", choices=("eval", "calib"))
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--json", default=None)
+    p.add_argument("--key-error", type=int, metavar="GROUP", default=None,
+                   help="only print the keys' squared error before / after RoPE, in groups of GROUP tokens")
+    args = p.parse_args(argv)
+    model, tok = models.load(args.model)
+    if args.key_error:
+        key_error(model, tok, args.key_error, args.tokens)
+        return 0
+    if not args.methods:
+        p.error("--methods is required (unless --key-error)")
+    profile = Profile.load(args.profile, model)
+    arch = Architecture.from_config(model.config)
+    scales = profile.static_scales()
+    cos, sin = rope_tables(model, args.tokens)
+    plans = {name: methods.get(name, profile).plan(arch) for name in args.methods.split(",")}
+    rows = []
+    for corpus in args.corpus.split(","):
+        ids = data.token_stream(corpus, args.split, tok, args.tokens)
+        fp = score_simulated(model, ids, Plan.uniform(arch, "fp16"), keep_logits=True)
+        reference = torch.log_softmax(fp.logits, dim=-1)
+        for name, plan in plans.items():
+            for suffix, block in (("", contextlib.nullcontext()), ("+prerope", prerope(cos, sin))):
+                with block:
+                    logits = simulate_logits(model, ids[:-1], plan, scales)
+                score = score_logits(ids, [logits], reference=reference)
+                stored, fp16 = methods.static_kv_bytes(plan, model.config, ids.numel() - 1, scales)
+                row = {"corpus": corpus, "method": name + suffix, "bytes_ratio": stored / fp16,
+                       "ppl": score.perplexity, "ppl_delta_pct": 100.0 * (math.exp(score.nll - fp.nll) - 1.0),
+                       "kl": score.kl, "top1_agree": score.top1_agree}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "split": args.split, "tokens": args.tokens, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
