@@ -37,9 +37,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def prerope(cos: list[torch.Tensor], sin: list[torch.Tensor]):
-    """Within this block the simulation stores every key head below 8 bits before RoPE: ``cos`` / ``sin`` are per
-    layer ``[T, D]``, the model's own rotary embedding at positions ``0..T-1``."""
+def prerope(cos: list[torch.Tensor], sin: list[torch.Tensor], layers: set[int] | None = None):
+    """Within this block the simulation stores every key head below 8 bits before RoPE (in ``layers`` only, when
+    given): ``cos`` / ``sin`` are per layer ``[T, D]``, the model's own rotary embedding at positions ``0..T-1``."""
     from kvguard import simulate
     from kvguard.quantizer import Axis
 
@@ -47,7 +47,7 @@ def prerope(cos: list[torch.Tensor], sin: list[torch.Tensor]):
 
     def copy(x, precisions, start, end, axis, cache, clip, absmax=None, rot=None, codec=None, layer=0):
         plain = kept(x, precisions, start, end, axis, cache, clip, absmax, rot, codec, layer)
-        if axis is not Axis.CHANNEL:  # values: no RoPE
+        if axis is not Axis.CHANNEL or (layers is not None and layer not in layers):  # values: no RoPE
             return plain
         c, s = cos[layer][:x.shape[2]], sin[layer][:x.shape[2]]  # [T, D]
         pre = x * c - _rotate_half(x) * s  # [B, H, T, D], RoPE by minus each position's angle
@@ -118,6 +118,28 @@ def key_error(model, tok, group: int, tokens: int) -> None:
                   f"(one-byte scales, searched ranges)")
 
 
+def choose_layers(model, tok, plan, scales, cos, sin, tokens: int) -> set[int]:
+    """The layers whose keys ``plan`` should store before RoPE, chosen on **calibration** text (``tokens`` of each
+    corpus's ``calib`` split): each layer with a key head below 8 bits is tried alone, and kept where the plan's KL
+    falls (as calibration chooses the rotation per layer)."""
+    from kvguard import data
+    from kvguard.calibration.heldout import HeldOut
+
+    heldout = HeldOut(model, {c: data.token_stream(c, "calib", tok, tokens) for c in ("prose", "code", "dialog")})
+    base = heldout.score(plan, scales).kl
+    chosen, moves = set(), []
+    for i, lp in enumerate(plan.layers):
+        if not any(p.is_quantized and p.bits < 8 for p in lp.precision):
+            continue
+        with prerope(cos, sin, {i}):
+            kl = heldout.score(plan, scales).kl
+        moves.append(f"{i}:{math.log(kl / base):+.3f}")
+        if kl < base:
+            chosen.add(i)
+    print(f"ln KL ratio per layer alone (calibration text): {' '.join(moves)}; chosen {sorted(chosen)}", flush=True)
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvguard import data, models
     from kvguard.architecture import Architecture
@@ -135,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default="eval", choices=("eval", "calib"))
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--json", default=None)
+    p.add_argument("--variants", default="off,all", help="off, all (every layer), chosen (see --choose-tokens)")
+    p.add_argument("--choose-tokens", type=int, default=512,
+                   help="calibration tokens per corpus the layers of the 'chosen' variant are picked on")
     p.add_argument("--key-error", type=int, metavar="GROUP", default=None,
                    help="only print the keys' squared error before / after RoPE, in groups of GROUP tokens")
     args = p.parse_args(argv)
@@ -149,14 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     scales = profile.static_scales()
     cos, sin = rope_tables(model, args.tokens)
     plans = {name: methods.get(name, profile).plan(arch) for name in args.methods.split(",")}
+    variants = args.variants.split(",")
+    chosen = {name: choose_layers(model, tok, plan, scales, cos, sin, args.choose_tokens)
+              for name, plan in plans.items()} if "chosen" in variants else {}
     rows = []
     for corpus in args.corpus.split(","):
         ids = data.token_stream(corpus, args.split, tok, args.tokens)
         fp = score_simulated(model, ids, Plan.uniform(arch, "fp16"), keep_logits=True)
         reference = torch.log_softmax(fp.logits, dim=-1)
         for name, plan in plans.items():
-            for suffix, block in (("", contextlib.nullcontext()), ("+prerope", prerope(cos, sin))):
-                with block:
+            blocks = {"off": ("", contextlib.nullcontext), "all": ("+prerope", lambda: prerope(cos, sin)),
+                      "chosen": ("+prerope-chosen", lambda: prerope(cos, sin, chosen[name]))}
+            for suffix, block in (blocks[v] for v in variants):
+                with block():
                     logits = simulate_logits(model, ids[:-1], plan, scales)
                 score = score_logits(ids, [logits], reference=reference)
                 stored, fp16 = methods.static_kv_bytes(plan, model.config, ids.numel() - 1, scales)
@@ -168,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "split": args.split, "tokens": args.tokens, "rows": rows}, f, indent=1)
+            json.dump({"model": args.model, "split": args.split, "tokens": args.tokens, "rows": rows,
+                       "chosen_layers": {k: sorted(v) for k, v in chosen.items()}}, f, indent=1)
     return 0
 
 
