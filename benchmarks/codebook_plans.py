@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
 from codebook_outliers import _lloyd, calibration_kv  # run as a script: benchmarks/ is on sys.path
-from lowbit import print_table
+from lowbit import logits_row, print_table
 
 from kvguard import rotation
 from kvguard.quantizer import Axis, QuantSpec, _expand, _group, quantize
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvguard import data, models
     from kvguard.architecture import Architecture
     from kvguard.evaluation import methods
-    from kvguard.evaluation.scoring import score_logits, score_simulated
+    from kvguard.evaluation.scoring import score_simulated
     from kvguard.plan import Plan
     from kvguard.profile import Profile
     from kvguard.simulate import simulate_logits
@@ -130,14 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             for suffix, widths in (("", set()), ("+cb3", {3}), ("+cb", {2, 3})):
                 codec = Codebook(levels, widths) if widths else None
                 logits = simulate_logits(model, ids[:-1], plan, scales, codec=codec)
-                score = score_logits(ids, [logits], reference=reference)
                 stored, fp16 = methods.static_kv_bytes(plan, model.config, ids.numel() - 1, scales)
-                stored += _codebook_bytes(levels, widths)
-                row = {"corpus": corpus, "method": name + suffix, "bytes_ratio": stored / fp16,
-                       "ppl": score.perplexity, "ppl_delta_pct": 100.0 * (math.exp(score.nll - fp.nll) - 1.0),
-                       "kl": score.kl, "top1_agree": score.top1_agree}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append(logits_row(corpus, name + suffix, ids, logits, reference, fp.nll,
+                                       stored + _codebook_bytes(levels, widths), fp16))
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

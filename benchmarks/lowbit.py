@@ -35,6 +35,19 @@ def _row(model, ids, name, reference, ref_nll) -> dict:
             "kl": score.kl, "top1_agree": score.top1_agree}
 
 
+def logits_row(corpus: str, method: str, ids, logits, reference, ref_nll: float, stored: float, fp16: float) -> dict:
+    """The scored row of ``logits`` ``[T - 1, vocab]`` predicting ``ids`` against the FP16 ``reference`` log-probs
+    (whose NLL is ``ref_nll``), ``stored`` of ``fp16`` bytes; printed as JSON as it comes."""
+    from kvguard.evaluation.scoring import score_logits
+
+    score = score_logits(ids, [logits], reference=reference)
+    row = {"corpus": corpus, "method": method, "bytes_ratio": stored / fp16, "ppl": score.perplexity,
+           "ppl_delta_pct": 100.0 * (math.exp(score.nll - ref_nll) - 1.0), "kl": score.kl,
+           "top1_agree": score.top1_agree}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def print_table(rows: list[dict]) -> None:
     """The markdown table of scored rows (corpus, method, bytes, perplexity change, KL, top-1)."""
     print("\n| corpus | method | bytes / FP16 | ppl change | KL | top-1 |\n|---|---|---|---|---|---|")

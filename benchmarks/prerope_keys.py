@@ -28,7 +28,7 @@ import math
 import sys
 
 import torch
-from lowbit import print_table  # run as a script: benchmarks/ is on sys.path
+from lowbit import logits_row, print_table  # run as a script: benchmarks/ is on sys.path
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvguard import data, models
     from kvguard.architecture import Architecture
     from kvguard.evaluation import methods
-    from kvguard.evaluation.scoring import score_logits, score_simulated
+    from kvguard.evaluation.scoring import score_simulated
     from kvguard.plan import Plan
     from kvguard.profile import Profile
     from kvguard.simulate import simulate_logits
@@ -188,13 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             for suffix, block in (blocks[v] for v in variants):
                 with block():
                     logits = simulate_logits(model, ids[:-1], plan, scales)
-                score = score_logits(ids, [logits], reference=reference)
                 stored, fp16 = methods.static_kv_bytes(plan, model.config, ids.numel() - 1, scales)
-                row = {"corpus": corpus, "method": name + suffix, "bytes_ratio": stored / fp16,
-                       "ppl": score.perplexity, "ppl_delta_pct": 100.0 * (math.exp(score.nll - fp.nll) - 1.0),
-                       "kl": score.kl, "top1_agree": score.top1_agree}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append(logits_row(corpus, name + suffix, ids, logits, reference, fp.nll, stored, fp16))
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
