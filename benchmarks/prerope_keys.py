@@ -13,9 +13,12 @@ high-frequency pair's two channels trade values back and forth and each channel'
 quantizes keys before RoPE instead and applies RoPE to what it reads back. ``+prerope`` does that to every key head
 below 8 bits: it undoes RoPE on the stored keys (an exact rotation per pair, up to float rounding), quantizes them as
 the plan stores them (the plan's Hadamard rotation of that layer's keys, scales, ranges), and rotates what it reads
-back to its position again. Values have no RoPE and are stored as the plan stores them. The bytes are the plan's own.
-It runs through the exact chunk-1 simulation's ``codec`` on the ``eval`` split; it is in neither the cache nor the
-search (a cache would apply RoPE to every key it reads, and no engine's kernel reads pre-RoPE keys).
+back to its position again. Values have no RoPE and are stored as the plan stores them; INT8 heads keep their
+calibrated post-RoPE scales. The bytes are the plan's own. A plan's softmax-bias correction (``+sb``) still estimates
+the keys' rounding noise from their post-RoPE groups. It runs through the exact chunk-1 simulation (its store of each
+head, ``simulate._quantized_copy``, swapped within :func:`prerope`) on the ``eval`` split (``--split calib``: the
+calibration split); it is in neither the cache nor the search (a cache would apply RoPE to every key it reads, and no
+engine's kernel reads pre-RoPE keys). ``--variants chosen`` picks the layers on calibration text (:func:`choose_layers`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def prerope(cos: list[torch.Tensor], sin: list[torch.Tensor], layers: set[int] |
 
     def copy(x, precisions, start, end, axis, cache, clip, absmax=None, rot=None, codec=None, layer=0):
         plain = kept(x, precisions, start, end, axis, cache, clip, absmax, rot, codec, layer)
-        if axis is not Axis.CHANNEL or (layers is not None and layer not in layers):  # values: no RoPE
+        if axis is not Axis.CHANNEL or (layers is not None and layer not in layers):  # values have no RoPE
             return plain
         c, s = cos[layer][:x.shape[2]], sin[layer][:x.shape[2]]  # [T, D]
         pre = x * c - _rotate_half(x) * s  # [B, H, T, D], RoPE by minus each position's angle
