@@ -18,7 +18,8 @@ calibrated post-RoPE scales. The bytes are the plan's own. A plan's softmax-bias
 the keys' rounding noise from their post-RoPE groups. It runs through the exact chunk-1 simulation (its store of each
 head, ``simulate._quantized_copy``, swapped within :func:`prerope`) on the ``eval`` split (``--split calib``: the
 calibration split); it is in neither the cache nor the search (a cache would apply RoPE to every key it reads, and no
-engine's kernel reads pre-RoPE keys). ``--variants chosen`` picks the layers on calibration text (:func:`choose_layers`).
+engine's kernel reads pre-RoPE keys). ``--variants chosen`` picks the layers on calibration text
+(:func:`choose_layers`).
 """
 
 from __future__ import annotations
