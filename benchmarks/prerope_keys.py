@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--profile", required=True)
     p.add_argument("--methods", help="kvguard@<bytes>,...: each is scored off and +prerope")
+    p.add_argument("--candidates", help="';'-separated names from the profile's search log, scored like --methods")
     p.add_argument("--corpus", default="prose,code,dialog")
     p.add_argument("--split", default="eval", choices=("eval", "calib"))
     p.add_argument("--tokens", type=int, default=2048)
@@ -171,13 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.key_error:
         key_error(model, tok, args.key_error, args.tokens)
         return 0
-    if not args.methods:
-        p.error("--methods is required (unless --key-error)")
+    if not (args.methods or args.candidates):
+        p.error("--methods or --candidates is required (unless --key-error)")
     profile = Profile.load(args.profile, model)
     arch = Architecture.from_config(model.config)
     scales = profile.static_scales()
     cos, sin = rope_tables(model, args.tokens)
-    plans = {name: methods.get(name, profile).plan(arch) for name in args.methods.split(",")}
+    plans = {name: methods.get(name, profile).plan(arch) for name in (args.methods or "").split(",") if name}
+    log = {c.name: c.plan for c in profile.meta.search_log}
+    for name in (args.candidates or "").split(";"):
+        if name and name not in log:
+            p.error(f"{name!r} is not in the profile's search log")
+        if name:
+            plans[name] = log[name]
     variants = args.variants.split(",")
     chosen = {name: choose_layers(model, tok, plan, scales, cos, sin, args.choose_tokens)
               for name, plan in plans.items()} if "chosen" in variants else {}
