@@ -50,15 +50,18 @@ def prerope(cos: list[torch.Tensor], sin: list[torch.Tensor], layers: set[int] |
     kept = simulate._quantized_copy
 
     def copy(x, precisions, start, end, axis, cache, clip, absmax=None, rot=None, codec=None, layer=0):
-        plain = kept(x, precisions, start, end, axis, cache, clip, absmax, rot, codec, layer)
-        if axis is not Axis.CHANNEL or (layers is not None and layer not in layers):  # values have no RoPE
-            return plain
+        args = (precisions, start, end, axis, cache, clip, absmax, rot, codec, layer)
+        low = [p.is_quantized and p.bits < 8 for p in precisions]
+        if axis is not Axis.CHANNEL or (layers is not None and layer not in layers) or not any(low):
+            return kept(x, *args)  # values have no RoPE
         c, s = cos[layer][:x.shape[2]], sin[layer][:x.shape[2]]  # [T, D]
         pre = x * c - _rotate_half(x) * s  # [B, H, T, D], RoPE by minus each position's angle
-        read = kept(pre, precisions, start, end, axis, cache, clip, absmax, rot, codec, layer)
+        read = kept(pre, *args)
         read = read * c + _rotate_half(read) * s
-        low = torch.tensor([p.is_quantized and p.bits < 8 for p in precisions], device=x.device)
-        return torch.where(low.view(1, -1, 1, 1), read, plain)  # INT8 heads keep their post-RoPE scales
+        if all(low):
+            return read
+        # INT8 and FP16 heads keep their post-RoPE store (INT8: its calibrated post-RoPE scales).
+        return torch.where(torch.tensor(low, device=x.device).view(1, -1, 1, 1), read, kept(x, *args))
 
     simulate._quantized_copy = copy
     try:
