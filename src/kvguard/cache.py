@@ -24,6 +24,7 @@ from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
 from kvguard.config import CacheConfig
 from kvguard.architecture import Architecture
 from kvguard.precision import Precision
+from kvguard.rope import Rope
 
 PrecisionLike = "Precision | str | Sequence[Precision | str]"
 
@@ -38,22 +39,27 @@ class KVGuardCache(Cache):
         cache_config: layout knobs (window, sinks, group size, storage dtype); see :class:`CacheConfig`.
         backing: keep the originals of quantized tokens for exact restores (:class:`~kvguard.backing.BackingConfig`;
             ``None`` or disabled: not kept).
+        rope: the model's RoPE, needed with ``cache_config.prerope_keys`` (``None``: read from ``config``, which
+            must then be the model's config, not an ``Architecture``).
     """
 
     def __init__(self, config, precision: "PrecisionLike | Sequence[PrecisionLike]" = Precision.INT4,
-                 cache_config: CacheConfig | None = None, backing: BackingConfig | None = None):
+                 cache_config: CacheConfig | None = None, backing: BackingConfig | None = None,
+                 rope: Rope | None = None):
         arch = Architecture.from_config(config)
         self.architecture = arch
         self.cache_config = cache_config or CacheConfig()
+        if self.cache_config.prerope_keys and rope is None:
+            rope = Rope.from_config(config)
         self.backing = BackingStore(backing) if backing is not None and backing.enabled else None
         per_layer = _per_layer(precision, arch.num_layers)
         layers: list[KVGuardLayer] = []
         for idx, p in enumerate(per_layer):
             if arch.is_sliding(idx):
                 layers.append(KVGuardSlidingLayer(p, self.cache_config, idx, sliding_window=arch.sliding_window,
-                                                  backing=self.backing))
+                                                  backing=self.backing, rope=rope))
             else:
-                layers.append(KVGuardLayer(p, self.cache_config, idx, self.backing))
+                layers.append(KVGuardLayer(p, self.cache_config, idx, self.backing, rope))
             if isinstance(layers[-1].precision, tuple) and len(layers[-1].precision) != arch.num_kv_heads:
                 raise ValueError(
                     f"layer {idx}: {len(layers[-1].precision)} per-head precisions given, the model has "

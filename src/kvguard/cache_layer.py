@@ -16,6 +16,9 @@ A layer stores the tokens it has seen, in order, as::
   format): ``_win_k`` / ``_win_v`` then hold the codes and :meth:`KVGuardLayer.window_tensors` decodes them.
 - **rotation** (optional, per side): heads below INT8 can store ``quantize(x @ R)`` with ``R`` an orthonormal
   randomized Hadamard matrix per KV head (:mod:`kvguard.rotation`), read back as ``dequantize(...) @ R.T``.
+- **pre-RoPE keys** (optional, ``CacheConfig.prerope_keys``): key heads below INT8 store their keys turned back by
+  RoPE (:mod:`kvguard.rope`; before the rotation, if any) and turn them to their positions again when read. The
+  fused kernels read only post-RoPE codes, so a layer holding such keys reads the materializing way.
 - **overlay**: full-precision K/V for chosen quantized positions (selective recomputation writes it through
   :meth:`KVGuardLayer.write_fp`); it wins over the codes when the layer is read.
 - **backing** (optional, off by default): every group ``_store`` quantizes also goes, as the window held it, to
@@ -35,7 +38,8 @@ materialize: it records a :class:`~kvguard.fused_attention.StoredRead` (referenc
 they are before the new tokens are appended, see :meth:`KVGuardLayer.stored_read`) with the harness, returns
 only the new tokens, and the harness's attention function attends over both through the C++ kernels, reading
 the codes directly. The numbers are today's up to float summation order; the columns (and so the mask) are the
-same. Everything else (prefill, hooks, a missing kernel build) keeps the materialized read.
+same. Everything else (prefill, hooks, a missing kernel build, keys stored before RoPE) keeps the materialized
+read.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from kvguard.backing import BackingStore
 from kvguard.config import CacheConfig, window_scale
 from kvguard.precision import Precision, value_tiers
 from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize, static_int8_codes
+from kvguard.rope import Rope, rerope, unrope
 
 _UNCORRECTED = ("score_correction is on, but this read dequantizes the stored keys (a chunk of more than "
                 f"{fused_attention.MAX_QUERY} tokens, or a cache off the CPU): the softmax-bias correction applies "
@@ -76,6 +81,7 @@ class _PartLayout:
     value_spec: QuantSpec | None
     key_rotated: bool = False  # stored as quantize(k @ R); only below INT8
     value_rotated: bool = False
+    key_prerope: bool = False  # keys stored before RoPE (turned back by their position); only below INT8
 
 
 @dataclass
@@ -112,10 +118,15 @@ class KVGuardLayer(CacheLayerMixin):
         config: CacheConfig | None = None,
         layer_idx: int = 0,
         backing: BackingStore | None = None,
+        rope: Rope | None = None,
     ):
         super().__init__()
         self.config = config or CacheConfig()
         self.layer_idx = layer_idx
+        if self.config.prerope_keys and rope is None:
+            raise ValueError(f"layer {layer_idx}: prerope_keys needs the model's RoPE (build the cache from the model's "
+                             "config, or pass rope=kvguard.rope.Rope.from_config(config))")
+        self.rope = rope
         self.backing = backing  # originals of quantized groups (shared by the cache's layers); None: not kept
         self._requested = self._parse_precision(precision)
         self.key_clip = self.config.key_clip
@@ -263,6 +274,7 @@ class KVGuardLayer(CacheLayerMixin):
                                            static and self.value_absmax is not None),
                     low and self.key_rotation,
                     low and self.value_rotation,
+                    low and self.config.prerope_keys,
                 )
             )
         return tuple(layout)
@@ -297,10 +309,12 @@ class KVGuardLayer(CacheLayerMixin):
                      track: bool = True) -> None:
         """Append ``keys`` / ``values`` (``[B, H, n, D]``, whole groups, positions from ``first``) to ``run``,
         each part encoding its heads in its layout."""
+        turn = self._turn(run, first, keys.shape[-2])
         for part in run.parts:
             pl = part.layout
             k, v = self._heads(keys, part), self._heads(values, part)
-            k_in = rotation.rotate(k, part.rotation) if pl.key_rotated else k
+            k_in = unrope(k.float(), *turn) if pl.key_prerope else k
+            k_in = rotation.rotate(k_in, part.rotation) if pl.key_rotated else k_in
             v_in = rotation.rotate(v, part.rotation) if pl.value_rotated else v
             k_new = self._encode(k_in, pl.key_spec, pl.key_spec and self._static_absmax(self.key_absmax, pl.key_spec, part.index))
             v_new = self._encode(
@@ -309,8 +323,14 @@ class KVGuardLayer(CacheLayerMixin):
             part.keys = _extend(part.room, "keys", part.keys, k_new)
             part.values = _extend(part.room, "values", part.values, v_new)
             if track and self.track_error and pl.key_spec is not None:
-                self._track(part, first, (k, v), (_read_new(part, k_new, True), _read_new(part, v_new, False)))
+                self._track(part, first, (k, v), (_read_new(part, k_new, True, turn), _read_new(part, v_new, False)))
         run.length += keys.shape[-2]
+
+    def _turn(self, run: _Run, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE's ``(cos, sin)`` ``[n, D]`` at absolute positions ``first ..`` when ``run`` holds pre-RoPE keys."""
+        if not any(p.layout.key_prerope for p in run.parts):
+            return None
+        return self.rope.tables(self.layer_idx, first, n, self.device)
 
     def _heads(self, x: torch.Tensor, part: _Part) -> torch.Tensor:
         """``x`` ``[B, H, n, D]`` restricted to ``part``'s heads ``[B, h, n, D]``."""
@@ -380,11 +400,18 @@ class KVGuardLayer(CacheLayerMixin):
     def _defers(self, key_states: torch.Tensor) -> bool:
         """Whether this update hands its read to the fused decode attention instead of materializing."""
         return (self.stored_tokens > 0 and key_states.shape[-2] <= fused_attention.MAX_QUERY
-                and attention.fused_reads_active() and fused_attention.available(key_states.device))
+                and attention.fused_reads_active() and fused_attention.available(key_states.device)
+                and not self.holds_prerope_keys())
+
+    def holds_prerope_keys(self) -> bool:
+        """Whether some stored run holds keys before RoPE (which only the materializing read turns back)."""
+        return any(p.layout.key_prerope for run in self._runs for p in run.parts)
 
     def stored_read(self) -> fused_attention.StoredRead:
         """The stored past as segments of codes and full-precision tensors, for the fused decode attention
         (references to the stored tensors, which appending never modifies in place)."""
+        if self.holds_prerope_keys():
+            raise ValueError(f"layer {self.layer_idx} stores keys before RoPE, which the fused kernels cannot read")
         segments, column = [], self._sinks_k.shape[-2]
         if column:
             segments.append(fused_attention.StoredSegment(0, column, None, self._sinks_k, self._sinks_v))
@@ -446,15 +473,18 @@ class KVGuardLayer(CacheLayerMixin):
     def _trim(self) -> None:
         """Full-attention layers keep everything; sliding layers override this."""
 
-    def _run_tensors(self, run: _Run, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_tensors(self, run: _Run, dtype: torch.dtype, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A run's keys and values ``[B, H, n, D]`` as the model reads them (``first``: its first absolute
+        position)."""
+        turn = self._turn(run, first, run.length)
         if len(run.parts) == 1:
             part = run.parts[0]
-            return _read(part, True, dtype), _read(part, False, dtype)
+            return _read(part, True, dtype, turn), _read(part, False, dtype)
         shape = (self.batch_size, self.num_heads, run.length, self.head_dim)
         k = torch.empty(shape, dtype=dtype, device=self.device)
         v = torch.empty(shape, dtype=dtype, device=self.device)
         for part in run.parts:
-            k.index_copy_(1, part.index, _read(part, True, dtype))
+            k.index_copy_(1, part.index, _read(part, True, dtype, turn))
             v.index_copy_(1, part.index, _read(part, False, dtype))
         return k, v
 
@@ -464,10 +494,12 @@ class KVGuardLayer(CacheLayerMixin):
             raise RuntimeError(f"layer {self.layer_idx} holds no tokens yet")
         dtype = dtype or self.fp_dtype
         ks, vs = [self._sinks_k.to(dtype)], [self._sinks_v.to(dtype)]
+        pos = self.offset + self._sinks_k.shape[-2]
         for run in self._runs:
-            k, v = self._run_tensors(run, dtype)
+            k, v = self._run_tensors(run, dtype, pos)
             ks.append(k)
             vs.append(v)
+            pos += run.length
         win_k, win_v = self.window_tensors(dtype)
         ks.append(win_k)
         vs.append(win_v)
@@ -644,10 +676,11 @@ class KVGuardLayer(CacheLayerMixin):
         n = keys.shape[-2]
         self._error = _grow(self._error, self.num_heads, first + n, self.device)
         self._error[:, first:first + n] = 0.0
+        turn = self._turn(run, first, n)
         for part in run.parts:
             if part.layout.key_spec is not None:
                 k, v = self._heads(keys, part), self._heads(values, part)
-                read = (_read(part, True, torch.float32), _read(part, False, torch.float32))
+                read = (_read(part, True, torch.float32, turn), _read(part, False, torch.float32))
                 self._track(part, first, (k, v), read, count=False)
         if self._overlay_pos is not None and self._overlay_pos.numel():
             held = self._overlay_pos[self._overlay_pos < self._error.shape[1]]
@@ -746,8 +779,8 @@ class KVGuardSlidingLayer(KVGuardLayer):
     is_sliding = True
 
     def __init__(self, precision=Precision.INT4, config: CacheConfig | None = None, layer_idx: int = 0, *, sliding_window: int,
-                 backing: BackingStore | None = None):
-        super().__init__(precision, config, layer_idx, backing)
+                 backing: BackingStore | None = None, rope: Rope | None = None):
+        super().__init__(precision, config, layer_idx, backing, rope)
         if sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.sliding_window = sliding_window
@@ -862,20 +895,26 @@ def _decode(t, dtype: torch.dtype) -> torch.Tensor:
     return t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t.to(dtype)
 
 
-def _read_new(part: _Part, encoded: QuantizedTensor, keys: bool) -> torch.Tensor:
-    """Freshly encoded tokens as they will be read (float32), for the error evidence."""
+def _read_new(part: _Part, encoded: QuantizedTensor, keys: bool, turn=None) -> torch.Tensor:
+    """Freshly encoded tokens as they will be read (float32), for the error evidence (``turn``: RoPE's
+    ``(cos, sin)`` at their positions, for keys stored before it)."""
     rotated = part.layout.key_rotated if keys else part.layout.value_rotated
     x = encoded.dequantize(torch.float32)
-    return rotation.unrotate(x, part.rotation) if rotated else x
+    x = rotation.unrotate(x, part.rotation) if rotated else x
+    return rerope(x, *turn) if keys and part.layout.key_prerope else x
 
 
-def _read(part: _Part, keys: bool, dtype: torch.dtype) -> torch.Tensor:
-    """A part's stored keys or values as the model sees them: dequantized, rotated back when stored rotated."""
+def _read(part: _Part, keys: bool, dtype: torch.dtype, turn=None) -> torch.Tensor:
+    """A part's stored keys or values as the model sees them: dequantized, rotated back when stored rotated,
+    turned to their positions (``turn``: RoPE's ``(cos, sin)`` ``[n, D]``) when keys are stored before RoPE."""
     rotated = part.layout.key_rotated if keys else part.layout.value_rotated
+    turned = keys and part.layout.key_prerope
     stored = part.keys if keys else part.values
-    if not rotated:
+    if not (rotated or turned):
         return _decode(stored, dtype)
-    return rotation.unrotate(_decode(stored, torch.float32), part.rotation).to(dtype)
+    x = _decode(stored, torch.float32)
+    x = rotation.unrotate(x, part.rotation) if rotated else x
+    return (rerope(x, *turn) if turned else x).to(dtype)
 
 
 def run_nbytes(run: _Run) -> int:

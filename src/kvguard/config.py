@@ -63,6 +63,11 @@ class CacheConfig:
             INT8 (:mod:`kvguard.score_bias`; no storage). Applied where attention reads the codes: the fused
             decode attention and the decoding simulation; a multi-token chunk that reads dequantized keys is not
             corrected.
+        prerope_keys: store key heads below INT8 before RoPE (:mod:`kvguard.rope`), as KVQuant does: the cache
+            undoes each key's turn before quantizing it and turns what it reads back again, so a per-channel group
+            no longer mixes the two channels of a fast-turning pair. Same bytes; needs the model's RoPE (the cache
+            is built from the model's config) and is read only by the materializing read (the fused C++ / Triton
+            kernels read post-RoPE codes). Not with ``score_correction``, whose noise model is post-RoPE.
     """
 
     residual: int = 64
@@ -76,6 +81,7 @@ class CacheConfig:
     key_clip: float = 1.0
     value_clip: float = 1.0
     score_correction: bool = False
+    prerope_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.residual < 0 or self.sinks < 0:
@@ -93,6 +99,9 @@ class CacheConfig:
         for name in ("key_clip", "value_clip"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.prerope_keys and self.score_correction:
+            raise ValueError("prerope_keys and score_correction cannot be combined: the correction models the "
+                             "rounding noise of keys stored after RoPE")
 
     @property
     def value_group(self) -> int:
@@ -124,6 +133,8 @@ class CacheConfig:
             del out["scale_bits"]  # likewise
         if not self.range_search:
             del out["range_search"]  # likewise
+        if not self.prerope_keys:
+            del out["prerope_keys"]  # likewise
         return out
 
     @classmethod

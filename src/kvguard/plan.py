@@ -13,6 +13,7 @@ import torch
 from kvguard.config import CacheConfig
 from kvguard.architecture import Architecture
 from kvguard.precision import Precision, value_tiers
+from kvguard.rope import Rope
 
 
 MAX_VALUE_DROP = 2  # INT4 keys with INT2 values; lower than that is where keys are INT2 anyway
@@ -119,7 +120,8 @@ class Plan:
         self.check(arch)
         if scales is not None:
             scales.check(arch)
-        cache = KVGuardCache(arch, [lp.uniform or lp.precision for lp in self.layers], self.cache, backing)
+        rope = Rope.from_config(model_config) if self.cache.prerope_keys else None
+        cache = KVGuardCache(arch, [lp.uniform or lp.precision for lp in self.layers], self.cache, backing, rope)
         for i, layer in enumerate(cache.layers):
             self._configure(layer, i, scales)
         return cache
@@ -143,7 +145,7 @@ class Plan:
         arch = Architecture.from_config(model_config)
         self.check(arch)
         scales = self.sizing_scales(arch, scales)
-        c = self.cache
+        c = replace(self.cache, prerope_keys=False)  # where keys are turned changes no byte
         costs = []
         for i, lp in enumerate(self.layers):
             sizes = []
@@ -162,7 +164,8 @@ class Plan:
         of one sequence, without running the model: the stored sizes depend only on shapes, so zeros of the right
         shape are fed through the layers."""
         arch = Architecture.from_config(model_config)
-        cache = self.make_cache(model_config, self.sizing_scales(arch, scales))
+        sizing = replace(self, cache=replace(self.cache, prerope_keys=False))  # the same bytes, no RoPE needed
+        cache = sizing.make_cache(model_config, self.sizing_scales(arch, scales))
         zeros = torch.zeros(1, arch.num_kv_heads, tokens, arch.head_dim)
         for idx in range(arch.num_layers):
             cache.update(zeros, zeros, idx)
@@ -195,6 +198,10 @@ class Plan:
         """This plan with the softmax-bias correction of quantized keys' scores on or off
         (``CacheConfig.score_correction``)."""
         return Plan(self.layers, replace(self.cache, score_correction=on))
+
+    def with_prerope_keys(self, on: bool = True) -> "Plan":
+        """This plan with its keys below INT8 stored before RoPE or after it (``CacheConfig.prerope_keys``)."""
+        return Plan(self.layers, replace(self.cache, prerope_keys=on))
 
     def replace_layer(self, index: int, layer: LayerPlan) -> "Plan":
         """This plan with layer ``index`` replaced."""

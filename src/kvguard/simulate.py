@@ -28,6 +28,7 @@ from kvguard.config import CacheConfig, window_scale
 from kvguard.plan import Plan, StaticScales
 from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantSpec, quantize, static_int8_codes
+from kvguard.rope import Rope, rerope, unrope
 
 # Called for every simulated layer (``kvguard.calibration.signals`` records the monitor's evidence with it):
 # ``observer(layer, probs, quantized, k_fp, k_q, v_fp, v_q, attention_mask)``.
@@ -68,11 +69,14 @@ def quantize_switch_points(num_tokens: int, plan: Plan) -> tuple[int, torch.Tens
 
 def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axis, cache: CacheConfig,
                     clip: float, absmax: torch.Tensor | None = None, rot: torch.Tensor | None = None,
-                    codec: Codec | None = None, layer: int = 0) -> torch.Tensor:
+                    codec: Codec | None = None, layer: int = 0,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x`` ``[B, H, T, D]`` with positions ``[start, end)`` replaced by their quantize-dequantize values,
     each KV head at its own precision (fp16 heads unchanged; int8 heads with the calibrated ``absmax``
     ``[H, D]`` when given; heads below INT8 through the rotation with the ``[H, D]`` signs ``rot`` when given, as the
-    ``cache`` layout stores them)."""
+    ``cache`` layout stores them; and, given ``rope`` (the ``cos`` / ``sin`` ``[T, D]`` of positions ``0..T-1``),
+    stored before RoPE: turned back before quantizing and turned again when read, as ``prerope_keys`` stores
+    keys)."""
     out = x.clone()
     if end <= start:
         return out
@@ -83,11 +87,17 @@ def _quantized_copy(x: torch.Tensor, precisions, start: int, end: int, axis: Axi
             amax = absmax[h].view(1, 1, 1, -1) if static else None  # one scale per channel, shared by tokens
             part = x[:, h:h + 1, start:end]  # [B, 1, T', D]
             keys = axis is Axis.CHANNEL
+            turned = rope is not None and precision.bits < 8
+            if turned:
+                cos, sin = rope[0][start:end], rope[1][start:end]  # [T', D]
+                part = unrope(part, cos, sin)
             if rot is not None and precision.bits < 8:
                 r = rot[h:h + 1]
                 read = rotation.unrotate(_round_trip(rotation.rotate(part, r), spec, None, codec, layer, keys), r)
             else:
                 read = _round_trip(part, spec, amax, codec, layer, keys)
+            if turned:
+                read = rerope(read, cos, sin)
             out[:, h:h + 1, start:end] = read.to(x.dtype)
     return out
 
@@ -194,9 +204,10 @@ class _SimulationHook:
     """Attention of every query against the keys/values as chunk-1 decoding through the cache shows them."""
 
     def __init__(self, plan: Plan, scales: StaticScales | None, observer: Observer | None,
-                 codec: Codec | None = None, score_bias: ScoreBias | None = None) -> None:
+                 codec: Codec | None = None, score_bias: ScoreBias | None = None, rope: Rope | None = None) -> None:
         self.plan, self.scales, self.observer, self.codec = plan, scales, observer, codec
         self.score_bias = score_bias
+        self.rope = rope  # the model's RoPE, for plans that store keys before it
 
     def stored(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         """``(k_fp, v_fp, k_q, v_q, end, switch)``: layer ``layer_idx``'s keys and values ``[B, H_kv, T, D]`` as the
@@ -218,8 +229,10 @@ class _SimulationHook:
         rot = None
         if lp.key_rotation or lp.value_rotation:
             rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
+        # Only when on: benchmarks swap _quantized_copy for stores of their own with the older signature.
+        turn = {"rope": self.rope.tables(layer_idx, 0, t, key.device)} if plan.cache.prerope_keys else {}
         k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, plan.cache, lp.key_clip, k_absmax,
-                              rot if lp.key_rotation else None, self.codec, layer_idx)
+                              rot if lp.key_rotation else None, self.codec, layer_idx, **turn)
         v_q = _quantized_copy(v_fp, lp.value_precision, s, end, Axis.TOKEN, plan.cache, lp.value_clip, v_absmax,
                               rot if lp.value_rotation else None, self.codec, layer_idx)
         return k_fp, v_fp, k_q, v_q, end, switch
@@ -262,7 +275,8 @@ def simulation(model, plan: Plan, scales: StaticScales | None = None, *, observe
     plan.check(arch)
     if scales is not None:
         scales.check(arch)
-    with attention.hooked(model, _SimulationHook(plan, scales, observer, codec, score_bias)):
+    rope = Rope.from_config(model.config) if plan.cache.prerope_keys else None
+    with attention.hooked(model, _SimulationHook(plan, scales, observer, codec, score_bias, rope)):
         yield
 
 

@@ -459,6 +459,9 @@ def decode_attention(layer: KVGuardLayer, query: torch.Tensor, keys: torch.Tenso
     """
     if not layer.is_initialized:
         raise RuntimeError(f"layer {layer.layer_idx} holds no tokens yet")
+    if layer.holds_prerope_keys():
+        raise ValueError(f"layer {layer.layer_idx} stores keys before RoPE (prerope_keys), which the kernel cannot "
+                         "read: attend over layer.materialize() instead")
     _check_device(query)
     if query.device != layer.device:
         raise ValueError(f"query is on {query.device} but layer {layer.layer_idx} holds its cache on {layer.device}")

@@ -71,8 +71,8 @@ def test_search_reaches_below_int4_with_int3_and_rotation(low_bit, smollm2_4_lay
     low = [c for c in low_bit.meta.search_log if "low-bit" in c.name and "no " not in c.name]
     assert low and min(c.memory for c in low) < 0.8 * b4
     in_layout = [c for c in low if f"L2 mixed {layout} " in c.name]
-    assert in_layout and all(replace(c.plan.cache, score_correction=False, window_bits=LAYOUTS[layout].window_bits)
-                             == LAYOUTS[layout] for c in in_layout)
+    assert in_layout and all(replace(c.plan.cache, score_correction=False, window_bits=LAYOUTS[layout].window_bits,
+                                     prerope_keys=False) == LAYOUTS[layout] for c in in_layout)
     assert any(Precision.INT3 in lp.precision for c in low for lp in c.plan.layers)
     assert any(lp.key_rotation or lp.value_rotation for c in low for lp in c.plan.layers)
     # Rotation only where a head is below INT8 (the transform applies to those heads only).
@@ -120,11 +120,25 @@ def test_low_bit_plans_are_also_scored_with_the_softmax_bias_correction(low_bit)
     assert not any("no " in c.name for c in corrected)
     # And only from CORRECTED_FROM x B4 up: every plan allocated there has its twin, none below (nor the floor).
     b4 = log["L1 all-int4 window-64"].memory
-    low = [c for c in log.values() if " low-bit, predicted" in c.name and not c.name.endswith(" +sb")]
+    low = [c for c in log.values() if " low-bit, predicted" in c.name and not c.name.endswith((" +sb", " +pre"))]
     floor = {c.name for c in low if all(lp.uniform is Precision.INT2 for lp in c.plan.layers)}
     upper = {c.name for c in low if float(c.name.split("<= ")[1]) >= CORRECTED_FROM * b4 - 6e-4} - floor  # 3 decimals
     assert upper and len(upper) < len(low)
     assert {c.name.removesuffix(" +sb") for c in corrected} == upper
+
+
+def test_the_frontier_is_also_scored_with_keys_before_rope(low_bit):
+    log = {c.name: c for c in low_bit.meta.search_log}
+    twins = [c for c in log.values() if c.name.endswith(" +pre")]
+    assert twins and all(c.plan.cache.prerope_keys and not c.plan.cache.score_correction for c in twins)
+    for c in twins:
+        plain = log[c.name.removesuffix(" +pre")]  # the plan it turns, or that plan's corrected twin
+        origin = plain if not plain.plan.cache.prerope_keys else None
+        assert origin is not None and c.plan.layers == origin.plan.layers and c.memory == origin.memory
+        assert c.quality.kl != origin.quality.kl  # measured, not copied
+    # Twins of the low-bit frontier as it stood after level 2 (with the corrected plans), not of every plan.
+    low = [c for c in log.values() if " low-bit, predicted" in c.name and not c.name.endswith(" +pre")]
+    assert len(twins) < len(low)
 
 
 def test_low_bit_targets_are_allocated_with_8_and_16_bit_windows(low_bit, smollm2_4_layers):
@@ -132,8 +146,8 @@ def test_low_bit_targets_are_allocated_with_8_and_16_bit_windows(low_bit, smollm
     layout = low_bit_layout(_config(smollm2_4_layers), 512)
     assert LAYOUTS[layout].window_bits == 8
     wide_name = layout.replace(" w8", "")
-    narrow = {c.name.split(", ")[1]: c for c in log if f"L2 mixed {layout} low-bit," in c.name and "+sb" not in c.name}
-    wide = {c.name.split(", ")[1]: c for c in log if f"L2 mixed {wide_name} low-bit," in c.name and "+sb" not in c.name}
+    narrow = {c.name.split(", ")[1]: c for c in log if f"L2 mixed {layout} low-bit," in c.name and not c.name.endswith((" +sb", " +pre"))}
+    wide = {c.name.split(", ")[1]: c for c in log if f"L2 mixed {wide_name} low-bit," in c.name and not c.name.endswith((" +sb", " +pre"))}
     assert wide and all(c.plan.cache == replace(LAYOUTS[layout], window_bits=16) for c in wide.values())
     assert all(c.plan.cache.window_bits == 8 for c in narrow.values())
     shared = set(narrow) & set(wide)  # the targets above both floors: "predicted memory <= x"
@@ -151,7 +165,7 @@ def test_upper_low_bit_targets_are_also_allocated_with_float16_scales(low_bit, s
     layout = low_bit_layout(_config(smollm2_4_layers), 512)
     assert LAYOUTS[layout].scale_bits == 8
     wide_name = layout.replace(" w8", "").replace(" s8", "")
-    wide = [c for c in log if f"L2 mixed {wide_name} low-bit," in c.name and "+sb" not in c.name]
+    wide = [c for c in log if f"L2 mixed {wide_name} low-bit," in c.name and not c.name.endswith((" +sb", " +pre"))]
     assert wide and all(c.plan.cache == replace(LAYOUTS[layout], window_bits=16, scale_bits=16, range_search=False)
                         for c in wide)
     # Only the targets from WIDE_SCALES_FROM x B4 up, and no floor: below them the one-byte plans won.

@@ -54,3 +54,13 @@ def test_window_modifiers_need_calibrated_scales_for_8_bits():
     # Sized from shapes alone, the 8-bit window's plan stores what its cache does, and less than 16 bits.
     assert methods.static_kv_bytes(eight, TINY, 100) == methods.kv_bytes(cache)
     assert methods.static_kv_bytes(eight, TINY, 100)[0] < methods.static_kv_bytes(base.plan(TINY), TINY, 100)[0]
+
+
+def test_key_rope_modifiers_store_keys_before_rope_at_the_same_bytes():
+    pre = methods.get("int3+rot+prerope").plan(TINY)
+    assert pre.cache.prerope_keys and pre.layers == methods.get("int3+rot").plan(TINY).layers
+    assert methods.get("int3+prerope+postrope").plan(TINY) == methods.get("int3").plan(TINY)
+    # where keys are turned changes no byte (sized without the model's RoPE, which an Architecture lacks)
+    assert methods.static_kv_bytes(pre, TINY, 203) == methods.static_kv_bytes(methods.get("int3+rot").plan(TINY), TINY, 203)
+    with pytest.raises(ValueError, match="prerope_keys and score_correction"):
+        methods.get("int2+sb+prerope").plan(TINY)

@@ -141,6 +141,7 @@ class Searcher:
 
     def layer_bytes(self, cache_config: CacheConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """``(bytes [layers, tiers], fp16 reference bytes [layers])`` of uniform caches at the reference context."""
+        cache_config = replace(cache_config, prerope_keys=False)  # the same bytes, however keys are turned
         key = tuple(sorted(cache_config.to_dict().items()))
         if key not in self._bytes_cache:
             table = torch.zeros(self.arch.num_layers, len(TIERS), dtype=torch.float64)
@@ -284,7 +285,8 @@ class Searcher:
         """The low-bit frontier: tiers down to INT2, with INT3 and rotation, at :data:`LOW_BIT_TARGETS` of the
         default layout's all-INT4 bytes and at each layout's all-INT2 floor, in the layouts of
         :meth:`low_bit_layouts`, each plan from :data:`CORRECTED_FROM` x B4 up also with the softmax-bias correction
-        (:meth:`corrected`), and the same plans without rotation and without INT3 at :data:`ABLATION_TARGETS`."""
+        (:meth:`corrected`), the frontier of those with their keys stored before RoPE (:meth:`prerope`), and the same
+        plans without rotation and without INT3 at :data:`ABLATION_TARGETS`."""
         by_name = {c.name: c for c in level1}
         b4 = int4_bytes(level1)
         rot3, rot2 = (by_name.get(f"L1 all-{t}+rot {DEFAULT_LAYOUT}") for t in ("int3", "int2"))
@@ -310,6 +312,7 @@ class Searcher:
             out += plans + (self.level2(sens, layout, int8_kl, lower, **kwargs) if lower else [])
             to_correct += plans
         out += self.corrected(to_correct)
+        out += self.prerope(pareto_front(out))
         ablation = [round(f * b4, 4) for f in ABLATION_TARGETS]
         if rotate:
             out += self.level2(sens, LAYOUTS[low], int8_kl, ablation, int3_ratio=ratio, label=" low-bit, no rotation")
@@ -350,6 +353,24 @@ class Searcher:
                 if not c.plan.cache.score_correction
                 and score_bias.corrects(p for lp in c.plan.layers for p in lp.precision)]
         return self.evaluate_all(todo, "search level 2, corrected") if todo else []
+
+    def prerope(self, candidates: list[Candidate]) -> list[Candidate]:
+        """The same plans with their keys below INT8 stored before RoPE (``CacheConfig.prerope_keys``), named
+        ``<name> +pre`` (``+sb`` plans without the correction, which models post-RoPE keys): the same bytes, and the
+        held-out KL decides. Only the plans on the frontier so far: on calibration text it lowered the KL of
+        Gemma 3's frontier plans and of SmolLM2's with float16 scales, and raised it for SmolLM2's one-byte-scale,
+        8-bit-window plans (``benchmarks/prerope_keys.py``), so it is a measurement per plan; twins of the whole
+        level would cost as many scoring passes again."""
+        todo, seen = [], set()
+        for c in candidates:
+            if c.plan.cache.prerope_keys or not any(p.bits < 8 for lp in c.plan.layers for p in lp.precision):
+                continue
+            plan = c.plan.with_score_correction(False).with_prerope_keys()
+            key = str(plan.to_dict())
+            if key not in seen:
+                seen.add(key)
+                todo.append((f"{c.name.removesuffix(' +sb')} +pre", c.level, plan))
+        return self.evaluate_all(todo, "search level 2, keys before RoPE") if todo else []
 
     # ------------------------------------------------------------------ level 3
     def level3(self, start: Candidate, sens: Sensitivity, layers: int = 2) -> list[Candidate]:

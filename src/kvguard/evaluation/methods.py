@@ -12,7 +12,10 @@
   (heads below INT8, never below INT2), e.g. ``int4+rot+v1`` (INT4 keys, INT3 values); ``+v0``: values at their
   keys' tier, e.g. ``kvguard@0.24+v0`` (the calibrated plan without the values it stores lower);
   ``+w8`` / ``+w16``: the full-precision window stored as INT8 codes under the profile's calibrated scales / in
-  float16 (``CacheConfig.window_bits``), e.g. ``kvguard@0.24+w16``; ``+w8`` needs a profile method.
+  float16 (``CacheConfig.window_bits``), e.g. ``kvguard@0.24+w16``; ``+w8`` needs a profile method;
+  ``+prerope`` / ``+postrope``: keys below INT8 stored before RoPE (:mod:`kvguard.rope`) / after it
+  (``CacheConfig.prerope_keys``), e.g. ``kvguard@0.30+prerope`` (not with the softmax-bias correction:
+  ``kvguard@0.22+nosb+prerope``).
 - ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
@@ -228,13 +231,15 @@ SCORE_CORRECTION = {"sb": (True, "softmax-bias correction of quantized keys' sco
 VALUE_DROPS = {"v0": 0, "v1": 1, "v2": 2}
 # ``+w<bits>`` -> the window's storage (CacheConfig.window_bits).
 WINDOW_BITS = {"w8": 8, "w16": 16}
-MODIFIERS = (*ROTATIONS, *SCORE_CORRECTION, *VALUE_DROPS, *WINDOW_BITS)
+# ``+prerope`` / ``+postrope`` -> keys below INT8 stored before / after RoPE (CacheConfig.prerope_keys).
+KEY_ROPE = {"prerope": (True, "keys below INT8 stored before RoPE"), "postrope": (False, "keys stored after RoPE")}
+MODIFIERS = (*ROTATIONS, *SCORE_CORRECTION, *VALUE_DROPS, *WINDOW_BITS, *KEY_ROPE)
 
 
 def modified_method(name: str, profile=None) -> Method:
-    """``<static method>+rot|rotk|rotv|sb|nosb|v0|v1|v2|w8|w16``: that method's plan with keys and/or values
-    rotated, with the softmax-bias correction on / off, with its values stored below their keys' tier, or with its
-    window in 8 or 16 bits."""
+    """``<static method>+rot|rotk|rotv|sb|nosb|v0|v1|v2|w8|w16|prerope|postrope``: that method's plan with keys
+    and/or values rotated, with the softmax-bias correction on / off, with its values stored below their keys' tier,
+    with its window in 8 or 16 bits, or with its keys stored before / after RoPE."""
     base_name, modifier = name.rsplit("+", 1)
     if modifier not in MODIFIERS:
         raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are [{', '.join(MODIFIERS)}]")
@@ -251,6 +256,10 @@ def modified_method(name: str, profile=None) -> Method:
             raise ValueError(f"{name!r}: +w8 stores the window under calibrated INT8 scales, which {base_name!r} has "
                              "none of; apply it to kvguard or kvguard@<bytes> (with --profile)")
         return Method(name, f"{base.description}; {bits}-bit window", lambda arch: base.plan(arch).with_window_bits(bits),
+                      scales=base.scales)
+    if modifier in KEY_ROPE:
+        on, what = KEY_ROPE[modifier]  # a plan with the score correction refuses it (CacheConfig names both)
+        return Method(name, f"{base.description}; {what}", lambda arch: base.plan(arch).with_prerope_keys(on),
                       scales=base.scales)
     if modifier in VALUE_DROPS:
         drop = VALUE_DROPS[modifier]
