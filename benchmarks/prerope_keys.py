@@ -17,9 +17,12 @@ back to its position again. Values have no RoPE and are stored as the plan store
 calibrated post-RoPE scales. The bytes are the plan's own. A plan's softmax-bias correction (``+sb``) still estimates
 the keys' rounding noise from their post-RoPE groups. It runs through the exact chunk-1 simulation (its store of each
 head, ``simulate._quantized_copy``, swapped within :func:`prerope`) on the ``eval`` split (``--split calib``: the
-calibration split); it is in neither the cache nor the search (a cache would apply RoPE to every key it reads, and no
-engine's kernel reads pre-RoPE keys). ``--variants chosen`` picks the layers on calibration text
-(:func:`choose_layers`).
+calibration split). ``--variants chosen`` picks the layers on calibration text (:func:`choose_layers`).
+
+The cache and the search have since learnt it for whole plans (``CacheConfig.prerope_keys``, ``kvguard/rope.py``; the
+eval modifier ``+prerope``), without the softmax-bias correction, whose noise model is post-RoPE. This script keeps
+what they do not: layers chosen one by one, and a ``+sb`` plan with its keys turned (the correction then estimated
+from the post-RoPE groups, which no cache reads).
 """
 
 from __future__ import annotations
