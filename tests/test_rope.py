@@ -150,3 +150,27 @@ def test_the_simulation_stores_keys_before_rope_only_when_the_plan_says_so():
     assert plan.kv_bytes(model.config, 200) == Plan.uniform(arch, "int3", cfg).kv_bytes(model.config, 200)
     with pytest.raises(ValueError, match="rope_parameters"):
         plan.make_cache(arch)  # an Architecture alone does not say how the model turns its keys
+
+
+def test_decoding_with_the_fused_reads_on_reads_pre_rope_keys_the_materializing_way():
+    """Through the decoder the runtime uses (fused decode reads on), a plan with keys before RoPE decodes as with the
+    fused reads off: once a layer holds such keys it never hands the kernels its codes (``stored_read`` would
+    refuse); before that, the kernels read its full-precision tokens, in another summation order."""
+    from kvguard.architecture import Architecture
+    from kvguard.control.decoding import CacheDecoder
+    from kvguard.plan import Plan
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama()
+    plan = Plan.uniform(Architecture.from_config(model.config), "int3",
+                        CacheConfig(residual=8, sinks=2, group_size=16, prerope_keys=True))
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2))
+
+    def decode(fused: bool) -> torch.Tensor:
+        decoder = CacheDecoder(model, plan.make_cache(model.config), fused=fused)
+        out = [decoder.prefill(ids[:8])] + [decoder.step(int(t)) for t in ids[8:]]
+        assert all(layer.holds_prerope_keys() for layer in decoder.cache.layers)
+        return torch.stack(out)
+
+    fused, materialized = decode(True), decode(False)
+    assert torch.allclose(fused, materialized, atol=1e-4)

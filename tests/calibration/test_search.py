@@ -45,6 +45,12 @@ def test_pareto_front_and_choice():
     assert best(infeasible).name == "y"
     # Ties on score go to the lower KL.
     assert best([_cand("p", 0.3, 0.0, kl=0.002), _cand("q", 0.3, 0.0, kl=0.001)]).name == "q"
+    # A plan with keys before RoPE is not chosen while any other is there (the fused decode kernels cannot read it),
+    # though it stays on the frontier.
+    turned = _cand("t", 0.3, 0.0, kl=0.0005)
+    turned = replace(turned, plan=turned.plan.with_prerope_keys())
+    assert best([turned, _cand("u", 0.3, 0.0, kl=0.002)]).name == "u" and best([turned]).name == "t"
+    assert [c.name for c in pareto_front([turned, _cand("u", 0.3, 0.0, kl=0.002)])] == ["t"]
 
 
 def test_latency_model_weights_layers():

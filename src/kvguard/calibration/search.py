@@ -118,9 +118,13 @@ def int4_bytes(candidates: list[Candidate]) -> float:
 
 def best(candidates: list[Candidate]) -> Candidate:
     """The lowest score among feasible candidates; with none feasible, the lowest score among those that keep
-    the perplexity limit, else overall (the caller reports that the constraints were not met)."""
-    feasible = [c for c in candidates if c.feasible]
-    pool = feasible or candidates
+    the perplexity limit, else overall (the caller reports that the constraints were not met). Plans with keys
+    stored before RoPE are left out where any other is there: the chosen plan is what decoding runs by default,
+    through the fused kernels, which read post-RoPE codes only (those plans stay on the frontier, for
+    ``kvguard@<bytes>``)."""
+    fused = [c for c in candidates if not c.plan.cache.prerope_keys] or candidates
+    feasible = [c for c in fused if c.feasible]
+    pool = feasible or fused
     return min(pool, key=lambda c: (c.score, c.quality.kl, c.memory, c.name))
 
 
