@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import math
 import sys
@@ -37,10 +36,7 @@ import sys
 import torch
 from lowbit import logits_row, print_table  # run as a script: benchmarks/ is on sys.path
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from kvguard.rope import Rope, rerope, unrope
 
 
 @contextlib.contextmanager
@@ -52,15 +48,13 @@ def prerope(cos: list[torch.Tensor], sin: list[torch.Tensor], layers: set[int] |
 
     kept = simulate._quantized_copy
 
-    def copy(x, precisions, start, end, axis, cache, clip, absmax=None, rot=None, codec=None, layer=0):
+    def copy(x, precisions, start, end, axis, cache, clip, absmax=None, rot=None, codec=None, layer=0, rope=None):
         args = (precisions, start, end, axis, cache, clip, absmax, rot, codec, layer)
         low = [p.is_quantized and p.bits < 8 for p in precisions]
         if axis is not Axis.CHANNEL or (layers is not None and layer not in layers) or not any(low):
-            return kept(x, *args)  # values have no RoPE
+            return kept(x, *args, rope)  # values have no RoPE
         c, s = cos[layer][:x.shape[2]], sin[layer][:x.shape[2]]  # [T, D]
-        pre = x * c - _rotate_half(x) * s  # [B, H, T, D], RoPE by minus each position's angle
-        read = kept(pre, *args)
-        read = read * c + _rotate_half(read) * s
+        read = rerope(kept(unrope(x, c, s), *args), c, s)  # [B, H, T, D], stored turned back to position 0
         if all(low):
             return read
         # INT8 and FP16 heads keep their post-RoPE store (INT8: its calibrated post-RoPE scales).
@@ -75,19 +69,10 @@ def prerope(cos: list[torch.Tensor], sin: list[torch.Tensor], layers: set[int] |
 
 def rope_tables(model, t: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer, the model's ``cos`` / ``sin`` ``[T, D]`` at positions ``0..t-1`` (Gemma 3: its sliding and full
-    layers' own bases)."""
-    rope = model.model.rotary_emb
-    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    x = torch.zeros(1, t, head_dim)
-    positions = torch.arange(t)[None]
-    per_type = "layer_type" in inspect.signature(rope.forward).parameters  # Gemma 3: one base per layer type
-    cos, sin = [], []
-    for kind in types:
-        c, s = rope(x, positions, kind) if per_type else rope(x, positions)
-        cos.append(c[0].float())
-        sin.append(s[0].float())
-    return cos, sin
+    layers' own bases; :class:`kvguard.rope.Rope`, equal to the model's rotary embedding bit for bit)."""
+    rope = Rope.from_config(model.config)
+    tables = [rope.tables(i, 0, t) for i in range(len(rope.bases))]
+    return [c for c, _ in tables], [s for _, s in tables]
 
 
 @torch.no_grad()
@@ -115,7 +100,7 @@ def key_error(model, tok, group: int, tokens: int) -> None:
                 for k in seen:
                     t = k.shape[2] // group * group
                     post = k[:, :, :t]  # [1, H, T, D]
-                    pre = post * cos[layer][:t] - _rotate_half(post) * sin[layer][:t]
+                    pre = unrope(post, cos[layer][:t], sin[layer][:t])
                     signs = rotation.signs(k.shape[-1], k.shape[1], layer, k.device) if rotated else None
                     for where, x in (("post", post), ("pre", pre)):
                         x = rotation.rotate(x, signs) if rotated else x

@@ -169,6 +169,7 @@ class KVGuardLayer(CacheLayerMixin):
         self.out_of_range = [0, 0]  # K, V values quantized outside the calibrated range
         self.quantized_values = [0, 0]  # K, V values quantized (tracked only)
         self.running_absmax: list[torch.Tensor | None] = [None, None]  # K, V [H, D] over quantized tokens
+        self._rope_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE's cos / sin [T, D] from position 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -327,10 +328,17 @@ class KVGuardLayer(CacheLayerMixin):
         run.length += keys.shape[-2]
 
     def _turn(self, run: _Run, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """RoPE's ``(cos, sin)`` ``[n, D]`` at absolute positions ``first ..`` when ``run`` holds pre-RoPE keys."""
+        """RoPE's ``(cos, sin)`` ``[n, D]`` at absolute positions ``first ..`` when ``run`` holds pre-RoPE keys:
+        rows of one table from position 0, grown by doubling, since every decode step reads the whole history
+        (a row depends only on its position, so the rows are what ``Rope.tables`` gives for any start)."""
         if not any(p.layout.key_prerope for p in run.parts):
             return None
-        return self.rope.tables(self.layer_idx, first, n, self.device)
+        end = first + n
+        if self._rope_rows is None or self._rope_rows[0].shape[0] < end:
+            held = 0 if self._rope_rows is None else self._rope_rows[0].shape[0]
+            self._rope_rows = self.rope.tables(self.layer_idx, 0, max(end, 2 * held), self.device)
+        cos, sin = self._rope_rows
+        return cos[first:end], sin[first:end]
 
     def _heads(self, x: torch.Tensor, part: _Part) -> torch.Tensor:
         """``x`` ``[B, H, n, D]`` restricted to ``part``'s heads ``[B, h, n, D]``."""

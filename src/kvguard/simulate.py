@@ -229,10 +229,9 @@ class _SimulationHook:
         rot = None
         if lp.key_rotation or lp.value_rotation:
             rot = rotation.signs(key.shape[-1], key.shape[1], layer_idx, key.device)
-        # Only when on: benchmarks swap _quantized_copy for stores of their own with the older signature.
-        turn = {"rope": self.rope.tables(layer_idx, 0, t, key.device)} if plan.cache.prerope_keys else {}
+        turn = self.rope.tables(layer_idx, 0, t, key.device) if plan.cache.prerope_keys else None
         k_q = _quantized_copy(k_fp, lp.precision, s, end, Axis.CHANNEL, plan.cache, lp.key_clip, k_absmax,
-                              rot if lp.key_rotation else None, self.codec, layer_idx, **turn)
+                              rot if lp.key_rotation else None, self.codec, layer_idx, turn)
         v_q = _quantized_copy(v_fp, lp.value_precision, s, end, Axis.TOKEN, plan.cache, lp.value_clip, v_absmax,
                               rot if lp.value_rotation else None, self.codec, layer_idx)
         return k_fp, v_fp, k_q, v_q, end, switch
