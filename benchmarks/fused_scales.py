@@ -41,7 +41,8 @@ def _torch_score_segment(ops, scores, q, seg, correct: bool = False) -> None:
     if seg.key_rotation is not None:
         qs = qs @ seg.key_rotation
     heads = seg.heads if seg.heads is not None else torch.empty(0, dtype=torch.long)
-    ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_torch_codes(seg.keys, q.shape[0], qs.shape[1]), False)
+    ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_torch_codes(seg.keys, q.shape[0], qs.shape[1]), False,
+                   *(torch.empty(0),) * 3)  # no turn: keys stored after RoPE
     if correct and score_bias.applies(seg.keys.spec):
         bias = score_bias.correction(qs, seg.keys)  # [B, h, R, T]
         if seg.heads is None:

@@ -11,6 +11,7 @@ from kvguard.cache import KVGuardCache
 from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
 from kvguard.config import CacheConfig
 from kvguard.control.decoding import CacheDecoder, generate
+from kvguard.rope import Rope
 
 pytestmark = pytest.mark.skipif(not fused_attention.available(), reason="fused kernels not built: make install")
 
@@ -149,8 +150,8 @@ def test_one_byte_scales_are_decoded_in_the_kernel_exactly_as_in_torch():
         assert coded[1].dtype == torch.uint8 and coded[2].dtype == torch.int8
         if x is part.keys:
             got, want = (torch.zeros(B, h, REP, x.shape[-2]) for _ in range(2))
-            ops.key_scores(got, 0, torch.empty(0, dtype=torch.long), q, *coded, True)
-            ops.key_scores(want, 0, torch.empty(0, dtype=torch.long), q, *decoded, True)
+            ops.key_scores(got, 0, torch.empty(0, dtype=torch.long), q, *coded, True, *NO_TURN)
+            ops.key_scores(want, 0, torch.empty(0, dtype=torch.long), q, *decoded, True, *NO_TURN)
         else:
             p = torch.softmax(torch.randn(B, h, REP, x.shape[-2], generator=gen), -1)
             got = ops.value_accumulate(p, 0, torch.empty(0, dtype=torch.long), *coded, D)
@@ -224,6 +225,66 @@ def test_sliding_layer_after_dropping_groups():
     n = layer.stored_tokens + 1
     visible = torch.arange(layer.offset, layer.offset + n) > layer.length - 30  # what the window still sees
     _check(layer, gen, mask=visible.view(1, 1, 1, n).expand(B, 1, 1, n))
+
+
+PREROPE = Rope((10000.0,), D)
+NO_TURN = (torch.empty(0),) * 3  # signs, cos, sin: keys stored after RoPE
+
+
+@pytest.mark.parametrize("precision", ["int4", "int3", "int2", ("int4", "fp16", "int2"), ("int8", "int3", "int8")])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_keys_stored_before_rope_are_turned_in_the_kernel(precision, rotate):
+    """Keys stored before RoPE (rotated or not, some heads at INT8 / FP16, which store them after it) are rotated
+    back and turned by their positions as the kernel reads them: the same attention as the materializing read."""
+    gen = torch.Generator().manual_seed(6)
+    layer = KVGuardLayer(precision, dataclasses.replace(CONFIG, prerope_keys=True), rope=PREROPE)
+    layer.set_rotation(rotate, rotate)
+    _fill(layer, 61, gen)
+    assert layer.holds_prerope_keys()
+    read = layer.stored_read()
+    turned = [seg for seg in read.segments if seg.key_turn is not None]
+    assert turned and all(seg.key_rotation is None for seg in turned)
+    assert all((seg.key_signs is not None) == rotate for seg in turned)
+    _check(layer, gen)
+    _check(layer, gen, tq=3)
+
+
+@pytest.mark.parametrize("dim", [12, 24, 40, 64])
+def test_keys_before_rope_on_the_vector_and_scalar_paths(dim):
+    """Head dims whose halves are not a multiple of eight (the scalar tail of the turn) and a rotated power of two
+    (the butterflies in registers, then across them) agree with the reference."""
+    gen = torch.Generator().manual_seed(dim)
+    layer = KVGuardLayer("int4", CacheConfig(residual=4, sinks=1, group_size=4, fp_dtype="float16", prerope_keys=True),
+                         rope=Rope((10000.0,), dim))
+    rotate = dim & (dim - 1) == 0
+    layer.set_rotation(rotate, False)
+    layer.update(torch.randn(B, H_KV, 300, dim, generator=gen) * 2 + 1, torch.randn(B, H_KV, 300, dim, generator=gen))
+    q = torch.randn(B, H_KV * REP, 1, dim, generator=gen)
+    k, v = torch.randn(B, H_KV, 1, dim, generator=gen), torch.randn(B, H_KV, 1, dim, generator=gen)
+    read = layer.stored_read()
+    assert read.segments[1].key_turn is not None and (read.segments[1].key_signs is not None) == rotate
+    got = fused_attention.attend(q, read, k, v, None, scaling=dim ** -0.5)
+    torch.testing.assert_close(got, _reference(layer, q, k, v, None, dim ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_keys_before_rope_several_runs_and_a_sliding_layer_turn_by_absolute_positions():
+    """Each run is turned from its own first position; a sliding layer that dropped groups (and its sinks' offset)
+    still turns what it keeps by the positions those tokens had."""
+    gen = torch.Generator().manual_seed(7)
+    config = dataclasses.replace(CONFIG, prerope_keys=True)
+    layer = KVGuardLayer("int4", config, rope=PREROPE)
+    layer.set_rotation(True, False)
+    _fill(layer, 30, gen)
+    layer.set_precision(("int2", "fp16", "int3"))
+    _fill(layer, 40, gen)
+    assert len(layer._runs) == 2
+    _check(layer, gen)
+    sliding = KVGuardSlidingLayer("int3", config, sliding_window=30, rope=PREROPE)
+    _fill(sliding, 90, gen)
+    assert sliding.offset > 0 and sliding._runs
+    n = sliding.stored_tokens + 1
+    visible = torch.arange(sliding.offset, sliding.offset + n) > sliding.length - 30
+    _check(sliding, gen, mask=visible.view(1, 1, 1, n).expand(B, 1, 1, n))
 
 
 def test_result_does_not_depend_on_thread_count():
@@ -322,4 +383,24 @@ def test_smollm2_greedy_tokens_unchanged(smollm2):
     tokens = [generate(CacheDecoder(model, cache, fused=fused), ids, 24).tokens
               for cache, fused in zip(caches, (False, True))]
     assert caches[1].layers[0].stored_tokens > 64 and sum(r.length for r in caches[1].layers[0]._runs) >= 48
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 24
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_smollm2_greedy_tokens_unchanged_with_keys_before_rope(smollm2, rotate):
+    """The real model's RoPE: keys stored before it (INT3, rotated or not) generate the same greedy tokens through
+    the kernels, which turn them, as through the materializing read."""
+    from kvguard.rope import Rope
+
+    model, tok = smollm2
+    text = "The printing press spread across Europe within decades, and with it cheap books, pamphlets and news. "
+    ids = tok(text * 3 + "In the next century", return_tensors="pt").input_ids[0]
+    config = CacheConfig(residual=8, sinks=4, group_size=16, prerope_keys=True)
+    caches = [KVGuardCache(model.config, "int3", config, rope=Rope.from_config(model.config)) for _ in range(2)]
+    for cache in caches:
+        for layer in cache.layers:
+            layer.set_rotation(rotate, rotate)
+    tokens = [generate(CacheDecoder(model, cache, fused=fused), ids, 24).tokens
+              for cache, fused in zip(caches, (False, True))]
+    assert caches[1].layers[0].holds_prerope_keys() and caches[1].layers[0].stored_read().segments[1].key_turn
     assert tokens[0] == tokens[1] and len(tokens[0]) == 24

@@ -95,9 +95,7 @@ def test_the_layer_stores_what_the_simulation_stores_exactly(rotate):
     assert torch.equal(read[:, 2:], before[:, 2:])
 
 
-def test_int8_and_fp16_heads_are_the_same_with_the_flag_and_the_fused_read_is_kept():
-    from kvguard import fused_attention
-
+def test_int8_and_fp16_heads_are_the_same_with_the_flag():
     cfg = CacheConfig(residual=16, sinks=4, group_size=16)
     keys = _turned_keys(2, 120)
     layers = [KVGuardLayer(("int8", "fp16"), replace(cfg, prerope_keys=on), 0, rope=ROPE) for on in (False, True)]
@@ -106,9 +104,6 @@ def test_int8_and_fp16_heads_are_the_same_with_the_flag_and_the_fused_read_is_ke
     low = KVGuardLayer("int4", replace(cfg, prerope_keys=True), 0, rope=ROPE)
     _stream(low, keys)
     assert low.holds_prerope_keys()
-    if fused_attention.available():  # the kernels read post-RoPE codes: such a layer never hands them its read
-        with pytest.raises(ValueError, match="before RoPE"):
-            low.stored_read()
 
 
 def test_a_sliding_layer_turns_what_it_keeps_by_its_absolute_positions():
@@ -152,10 +147,11 @@ def test_the_simulation_stores_keys_before_rope_only_when_the_plan_says_so():
         plan.make_cache(arch)  # an Architecture alone does not say how the model turns its keys
 
 
-def test_decoding_with_the_fused_reads_on_reads_pre_rope_keys_the_materializing_way():
-    """Through the decoder the runtime uses (fused decode reads on), a plan with keys before RoPE decodes as with the
-    fused reads off: once a layer holds such keys it never hands the kernels its codes (``stored_read`` would
-    refuse); before that, the kernels read its full-precision tokens, in another summation order."""
+def test_decoding_keys_before_rope_through_the_fused_kernels_equals_the_materializing_read(monkeypatch):
+    """Through the decoder the runtime uses, a plan with keys before RoPE decodes the same with the fused reads on
+    (every step through the kernels, which turn the keys as they read them) as with them off (up to summation
+    order)."""
+    from kvguard import fused_attention
     from kvguard.architecture import Architecture
     from kvguard.control.decoding import CacheDecoder
     from kvguard.plan import Plan
@@ -166,11 +162,23 @@ def test_decoding_with_the_fused_reads_on_reads_pre_rope_keys_the_materializing_
                         CacheConfig(residual=8, sinks=2, group_size=16, prerope_keys=True))
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2))
 
+    if not fused_attention.available():
+        pytest.skip("fused kernels not built: make install")
+    calls = []
+    real = fused_attention.attend_with_probs
+    monkeypatch.setattr(fused_attention, "attend_with_probs",
+                        lambda *a, **kw: calls.append(any(s.key_turn is not None for s in a[1].segments)) or real(*a, **kw))
+
     def decode(fused: bool) -> torch.Tensor:
         decoder = CacheDecoder(model, plan.make_cache(model.config), fused=fused)
         out = [decoder.prefill(ids[:8])] + [decoder.step(int(t)) for t in ids[8:]]
         assert all(layer.holds_prerope_keys() for layer in decoder.cache.layers)
         return torch.stack(out)
 
-    fused, materialized = decode(True), decode(False)
+    fused = decode(True)
+    steps = (ids.numel() - 8) * model.config.num_hidden_layers
+    # every step fused; turned keys from the step a group leaves the window (token 26 of 40) on
+    assert len(calls) == steps and calls[-1] and sum(calls) >= 10 * model.config.num_hidden_layers
+    materialized = decode(False)
+    assert len(calls) == steps
     assert torch.allclose(fused, materialized, atol=1e-4)

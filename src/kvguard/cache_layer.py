@@ -408,29 +408,31 @@ class KVGuardLayer(CacheLayerMixin):
     def _defers(self, key_states: torch.Tensor) -> bool:
         """Whether this update hands its read to the fused decode attention instead of materializing."""
         return (self.stored_tokens > 0 and key_states.shape[-2] <= fused_attention.MAX_QUERY
-                and attention.fused_reads_active() and fused_attention.available(key_states.device)
-                and not self.holds_prerope_keys())
+                and attention.fused_reads_active() and fused_attention.available(key_states.device))
 
     def holds_prerope_keys(self) -> bool:
-        """Whether some stored run holds keys before RoPE (which only the materializing read turns back)."""
+        """Whether some stored run holds keys before RoPE (which the Triton kernel cannot read)."""
         return any(p.layout.key_prerope for run in self._runs for p in run.parts)
 
     def stored_read(self) -> fused_attention.StoredRead:
         """The stored past as segments of codes and full-precision tensors, for the fused decode attention
-        (references to the stored tensors, which appending never modifies in place)."""
-        if self.holds_prerope_keys():
-            raise ValueError(f"layer {self.layer_idx} stores keys before RoPE, which the fused kernels cannot read")
+        (references to the stored tensors, which appending never modifies in place). Keys stored before RoPE come
+        with RoPE's rows at their absolute positions, which the kernel turns them by."""
         segments, column = [], self._sinks_k.shape[-2]
         if column:
             segments.append(fused_attention.StoredSegment(0, column, None, self._sinks_k, self._sinks_v))
         for run in self._runs:
+            turn = self._turn(run, self.offset + column, run.length)
             for part in run.parts:
                 pl = part.layout
                 heads = None if len(pl.heads) == self.num_heads else part.index
+                turned = pl.key_prerope
                 segments.append(fused_attention.StoredSegment(
                     column, run.length, heads, part.keys, part.values,
-                    part.rotation_matrix if pl.key_rotated else None,
-                    part.rotation_matrix if pl.value_rotated else None))
+                    part.rotation_matrix if pl.key_rotated and not turned else None,
+                    part.rotation_matrix if pl.value_rotated else None,
+                    turn if turned else None,
+                    part.rotation.contiguous() if turned and pl.key_rotated else None))
             column += run.length
         if self._win_k.shape[-2]:
             segments.append(fused_attention.StoredSegment(column, self._win_k.shape[-2], None, *self.window_tensors()))

@@ -5,10 +5,14 @@
 // heads (``heads`` maps them, empty = all) and T tokens stored from column ``column`` of the layer's N columns:
 //
 //   key_scores(scores [B, H_kv, R, N] f32, column, heads, q [B, h, R, D] f32, codes, scale, zero, table, bits,
-//              tokens_per_row, channels_per_entry, correct)
+//              tokens_per_row, channels_per_entry, correct, signs, cos, sin)
 //       writes scores[b, heads[i], r, column + t] = sum_d q[b, i, r, d] * (code[t, d] * s(t, d) + z(t, d))
 //       and, with `correct`, adds the softmax-bias correction -1/2 sum_d q[b, i, r, d]^2 s(t, d)^2 / 12
-//       (kvguard/score_bias.py), computed once per scale row
+//       (kvguard/score_bias.py), computed once per scale row. Keys stored before RoPE (CacheConfig.prerope_keys)
+//       pass `cos` / `sin` [T, D] f32, RoPE's rows at the part's positions, and `signs` [h, D] f32 where they
+//       are stored rotated: each dequantized key is rotated back (x H / sqrt(D) * s, kvguard/rotation.py) and
+//       turned by its position (x * cos + rotate_half(x) * sin, kvguard/rope.py) before the dot products,
+//       since a position-dependent turn cannot move onto the query once for all keys
 //   value_accumulate(p [B, H_kv, R, N] f32, column, heads, codes, scale, zero, table, bits, tokens_per_row,
 //                    channels_per_entry, head_dim)
 //       -> out [B, h, R, D] f32:  out[b, i, r, d] = sum_t p[b, heads[i], r, column + t] * (code[t, d] * s + z)
@@ -30,6 +34,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -348,23 +353,149 @@ void row_bias(const float* q, const float* scale, int64_t R, int64_t D, float* b
   }
 }
 
+// RoPE's rows at a part's tokens, and the rotation signs of its heads, for keys stored before RoPE.
+struct Turn {
+  const float* cos = nullptr;  // [T, D]; nullptr: keys stored after RoPE, read as they are
+  const float* sin = nullptr;
+  const float* signs = nullptr;  // [h, D]; nullptr: not rotated
+};
+
+Turn turn_of(const torch::Tensor& signs, const torch::Tensor& cos, const torch::Tensor& sin, int64_t h, int64_t T,
+             int64_t D) {
+  Turn turn;
+  if (cos.numel() == 0) return turn;
+  for (const torch::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+                t->size(1) == D, "cos / sin must be contiguous float32 [T, D] (RoPE's rows at the part's tokens)");
+  turn.cos = cos.data_ptr<float>();
+  turn.sin = sin.data_ptr<float>();
+  if (signs.numel() > 0) {
+    TORCH_CHECK(signs.scalar_type() == torch::kFloat && signs.is_contiguous() && signs.dim() == 2 &&
+                signs.size(0) == h && signs.size(1) == D, "signs must be contiguous float32 [h, D]");
+    TORCH_CHECK((D & (D - 1)) == 0, "a rotated head needs a power-of-two head_dim, got ", D);
+    turn.signs = signs.data_ptr<float>();
+  }
+  return turn;
+}
+
+// The butterflies of rotation._fwht (x @ H in Sylvester order) in place: each stage adds and subtracts the
+// pairs (j, j + half) exactly as the torch reference does. With AVX2, the first three stages (half = 1, 2, 4)
+// pair lanes within each eight-float register, the later ones whole registers.
+void hadamard(float* x, int64_t D) {
+  int64_t half = 1;
+#if defined(__AVX2__)
+  if (D % 8 == 0) {
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 v = _mm256_loadu_ps(x + d);
+      __m256 w = _mm256_permute_ps(v, 0xB1);  // lanes (1, 0, 3, 2, ...)
+      v = _mm256_blend_ps(_mm256_add_ps(v, w), _mm256_sub_ps(w, v), 0xAA);  // odd lanes: top - bottom
+      w = _mm256_permute_ps(v, 0x4E);  // lanes (2, 3, 0, 1, ...)
+      v = _mm256_blend_ps(_mm256_add_ps(v, w), _mm256_sub_ps(w, v), 0xCC);
+      w = _mm256_permute2f128_ps(v, v, 1);  // the two halves swapped
+      v = _mm256_blend_ps(_mm256_add_ps(v, w), _mm256_sub_ps(w, v), 0xF0);
+      _mm256_storeu_ps(x + d, v);
+    }
+    for (half = 8; half < D; half *= 2)
+      for (int64_t block = 0; block < D; block += 2 * half)
+        for (int64_t j = block; j < block + half; j += 8) {
+          const __m256 top = _mm256_loadu_ps(x + j), bottom = _mm256_loadu_ps(x + j + half);
+          _mm256_storeu_ps(x + j, _mm256_add_ps(top, bottom));
+          _mm256_storeu_ps(x + j + half, _mm256_sub_ps(top, bottom));
+        }
+    return;
+  }
+#endif
+  for (; half < D; half *= 2)
+    for (int64_t block = 0; block < D; block += 2 * half)
+      for (int64_t j = block; j < block + half; ++j) {
+        const float top = x[j], bottom = x[j + half];
+        x[j] = top + bottom;
+        x[j + half] = top - bottom;
+      }
+}
+
+// x (one dequantized key stored before RoPE) as the model reads it: rotated back where stored rotated
+// (rotation.unrotate: the butterflies, times 1 / sqrt(D), times the signs), then turned to position t
+// (rope.rerope: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]), written to out. Products and
+// sums stay separate operations, as the torch reference computes them.
+void turned_key(float* x, int64_t D, const Turn& turn, int64_t h, int64_t t, float* out) {
+  if (turn.signs) {
+    hadamard(x, D);
+    const float norm = 1.0f / std::sqrt(static_cast<float>(D));
+    const float* sg = turn.signs + h * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) x[d] = x[d] * norm * sg[d];
+  }
+  const float* c = turn.cos + t * D;
+  const float* s = turn.sin + t * D;
+  const int64_t half = D / 2;
+  int64_t d = 0;
+#if defined(__AVX2__)
+  for (; d + 8 <= half; d += 8) {
+    const __m256 x1 = _mm256_loadu_ps(x + d), x2 = _mm256_loadu_ps(x + d + half);
+    const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), x2);
+    _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + d)),
+                                            _mm256_mul_ps(neg, _mm256_loadu_ps(s + d))));
+    _mm256_storeu_ps(out + d + half, _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + d + half)),
+                                                   _mm256_mul_ps(x1, _mm256_loadu_ps(s + d + half))));
+  }
+#endif
+  for (; d < half; ++d) {
+    out[d] = x[d] * c[d] + (-x[d + half]) * s[d];
+    out[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half];
+  }
+}
+
+// out[r * stride] = q[r] . key, r < rows; q holds rows rounded up to a multiple of kRowBlock (zero rows past
+// `rows`), so four dot products share each load of the key.
+void dots(const float* q, const float* key, int64_t rows, int64_t D, float* out, int64_t stride) {
+#if defined(__AVX2__)
+  if (D % 8 == 0) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const float* q0 = q + r0 * D;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 k = _mm256_loadu_ps(key + d);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D + d), k, acc1);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * D + d), k, acc2);
+        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * D + d), k, acc3);
+      }
+      const float sums[kRowBlock] = {horizontal_sum(acc0), horizontal_sum(acc1), horizontal_sum(acc2),
+                                     horizontal_sum(acc3)};
+      for (int64_t j = 0; j < kRowBlock && r0 + j < rows; ++j) out[(r0 + j) * stride] = sums[j];
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + r * D;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < D; ++d) acc += qr[d] * key[d];
+    out[r * stride] = acc;
+  }
+}
+
 }  // namespace
 
 void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& heads, const torch::Tensor& q,
                 const torch::Tensor& codes_t, const torch::Tensor& scale, const torch::Tensor& zero,
                 const torch::Tensor& table, int64_t bits, int64_t tokens_per_row, int64_t channels_per_entry,
-                bool correct) {
+                bool correct, const torch::Tensor& signs, const torch::Tensor& cos, const torch::Tensor& sin) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32 [B, h, R, D]");
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), T = codes_t.size(2);
   check_dims(D, static_cast<int>(bits));
   const Codes codes = codes_of(codes_t, static_cast<int>(bits));
   const Scales s = scales_of(scale, zero, table, tokens_per_row, channels_per_entry);
   const Target dst = target_of(scores, heads, column, B, H, R, T);
+  const Turn turn = turn_of(signs, cos, sin, H, T, D);
+  TORCH_CHECK(!(turn.cos && correct), "the softmax-bias correction does not apply to keys stored before RoPE");
   const float* qp = q.data_ptr<float>();
   const int64_t blocks = (T + kTokenBlock - 1) / kTokenBlock;
   const int64_t padded_rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-    float sc[kMaxDim], zr[kMaxDim], key[kMaxDim];
+    float sc[kMaxDim], zr[kMaxDim], key[kMaxDim], turned[kMaxDim];
     std::vector<float> qpad(padded_rows * D, 0.0f);  // the head's query rows, zero rows up to padded_rows
     std::vector<float> bias(R, 0.0f);                 // per query row: the correction of the loaded scale row
     for (int64_t task = begin; task < end; ++task) {
@@ -380,8 +511,14 @@ void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& head
           if (correct) row_bias(qpad.data(), sc, R, D, bias.data());
           loaded = row;
         }
-        key_dots(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, qpad.data(), R,
-                 oh + t, dst.sr, key);
+        const uint8_t* src = codes.data + b * codes.sb + h * codes.sh + t * codes.st;
+        if (turn.cos) {
+          dequantize_codes(src, codes.bits, D, sc, zr, key);
+          turned_key(key, D, turn, h, t, turned);
+          dots(qpad.data(), turned, R, D, oh + t, dst.sr);
+          continue;
+        }
+        key_dots(src, codes.bits, D, sc, zr, qpad.data(), R, oh + t, dst.sr, key);
         if (correct)
           for (int64_t r = 0; r < R; ++r) oh[r * dst.sr + t] += bias[r];
       }

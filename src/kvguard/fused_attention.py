@@ -14,7 +14,9 @@ columns, hence the same mask, as the materialized tensor):
   eight at a time, dequantize them as ``QuantizedTensor.dequantize`` does, dot them with every query row the
   KV head serves, grouped-query heads and query tokens together, four rows per pass), full-precision segments (sinks, window, FP16
   parts, the new tokens, overlay positions) by plain matmuls. Keys stored rotated (``k @ R``) are scored
-  against the rotated query ``q @ R``: ``q . k = (q R) . (k R)``.
+  against the rotated query ``q @ R``: ``q . k = (q R) . (k R)``. Keys stored before RoPE
+  (``CacheConfig.prerope_keys``) are turned in the kernel, key by key: rotated back, then turned by RoPE's row
+  at their position (:class:`StoredSegment` ``key_turn``).
 - **softmax** over the whole row at once, after the mask transformers passed (boolean or additive; ``None``
   for an unpadded one-token step) and soft-capping, so the probabilities equal the reference's up to float
   summation order. The score row is ``H_q * T_q * N`` floats, tiny next to the ``2 * H_kv * N * D`` of K/V.
@@ -63,6 +65,11 @@ class StoredSegment:
         key_rotation / value_rotation: the heads' ``[h, D, D]`` rotation matrices ``R`` when that side is stored
             rotated (one small matmul per part rotates the query or the output: the butterflies of
             :func:`kvguard.rotation.rotate` cost six rounds of small tensor ops per call here).
+        key_turn: for quantized keys stored before RoPE (``CacheConfig.prerope_keys``), RoPE's ``(cos, sin)``
+            ``[length, D]`` at their positions; the kernel turns each key as it reads it (a turn that depends on
+            the key's position cannot move onto the query), after rotating it back with ``key_signs`` (the heads'
+            ``[h, D]`` signs, :mod:`kvguard.rotation`) where the keys are stored rotated. ``key_rotation`` is then
+            ``None``.
     """
 
     start: int
@@ -72,6 +79,8 @@ class StoredSegment:
     values: "QuantizedTensor | torch.Tensor"
     key_rotation: torch.Tensor | None = None
     value_rotation: torch.Tensor | None = None
+    key_turn: tuple[torch.Tensor, torch.Tensor] | None = None
+    key_signs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,7 @@ def available(device: torch.device | None = None) -> bool:
 
 # ------------------------------------------------------------------------------------------ attention
 _NO_TABLE = torch.empty(0, dtype=torch.float16)
+_NO_TURN = torch.empty(0, dtype=torch.float32)
 
 
 def _codes(x: QuantizedTensor, batch: int, heads: int) -> tuple:
@@ -183,8 +193,10 @@ def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegmen
         heads = seg.heads if seg.heads is not None else torch.empty(0, dtype=torch.long)
         # The kernel adds the softmax-bias correction (score_bias.correction) itself, in the keys' (rotated)
         # basis, once per scale row: as separate tensor ops it cost 7-9 % of a SmolLM2 decode step at 4,096 tokens.
+        turn = (_NO_TURN, _NO_TURN) if seg.key_turn is None else seg.key_turn
+        signs = _NO_TURN if seg.key_signs is None else seg.key_signs
         ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_codes(seg.keys, q.shape[0], qs.shape[1]),
-                       correct and score_bias.applies(seg.keys.spec))
+                       correct and score_bias.applies(seg.keys.spec), signs, *turn)
         return
     part = qs @ seg.keys.to(torch.float32).transpose(-1, -2)  # [B, h, R, T]
     if seg.heads is None:

@@ -119,12 +119,12 @@ def int4_bytes(candidates: list[Candidate]) -> float:
 def best(candidates: list[Candidate]) -> Candidate:
     """The lowest score among feasible candidates; with none feasible, the lowest score among those that keep
     the perplexity limit, else overall (the caller reports that the constraints were not met). Plans with keys
-    stored before RoPE are left out where any other is there: the chosen plan is what decoding runs by default,
-    through the fused kernels, which read post-RoPE codes only (those plans stay on the frontier, for
-    ``kvguard@<bytes>``)."""
-    fused = [c for c in candidates if not c.plan.cache.prerope_keys] or candidates
-    feasible = [c for c in fused if c.feasible]
-    pool = feasible or fused
+    stored before RoPE are left out where any other is there: the chosen plan is what decoding runs by default
+    and what the engine exports describe, and the GPU kernel and the engines read post-RoPE codes only (those
+    plans stay on the frontier, for ``kvguard@<bytes>``; the CPU kernels read them)."""
+    post_rope = [c for c in candidates if not c.plan.cache.prerope_keys] or candidates
+    feasible = [c for c in post_rope if c.feasible]
+    pool = feasible or post_rope
     return min(pool, key=lambda c: (c.score, c.quality.kl, c.memory, c.name))
 
 
