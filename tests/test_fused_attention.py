@@ -267,6 +267,17 @@ def test_keys_before_rope_on_the_vector_and_scalar_paths(dim):
     torch.testing.assert_close(got, _reference(layer, q, k, v, None, dim ** -0.5), rtol=1e-5, atol=1e-5)
 
 
+def test_keys_before_rope_in_plain_tensors_are_refused():
+    """Only codes are turned in the kernel: a full-precision segment that says its keys are before RoPE would be
+    read unturned, so it is refused."""
+    keys = torch.randn(B, H_KV, 5, D)
+    cos, sin = PREROPE.tables(0, 0, 5)
+    read = fused_attention.StoredRead((fused_attention.StoredSegment(0, 5, None, keys, keys, key_turn=(cos, sin)),), 5)
+    q, k = torch.randn(B, H_KV * REP, 1, D), torch.randn(B, H_KV, 1, D)
+    with pytest.raises(ValueError, match="as codes"):
+        fused_attention.attend(q, read, k, k, None, scaling=0.25)
+
+
 def test_keys_before_rope_several_runs_and_a_sliding_layer_turn_by_absolute_positions():
     """Each run is turned from its own first position; a sliding layer that dropped groups (and its sinks' offset)
     still turns what it keeps by the positions those tokens had."""

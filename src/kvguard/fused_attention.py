@@ -198,6 +198,8 @@ def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegmen
         ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_codes(seg.keys, q.shape[0], qs.shape[1]),
                        correct and score_bias.applies(seg.keys.spec), signs, *turn)
         return
+    if seg.key_turn is not None:  # only quantized parts store keys before RoPE; plain keys would go unturned
+        raise ValueError("keys stored before RoPE must come as codes (a QuantizedTensor) for the kernel to turn them")
     part = qs @ seg.keys.to(torch.float32).transpose(-1, -2)  # [B, h, R, T]
     if seg.heads is None:
         scores[..., seg.start:seg.start + seg.length] = part
