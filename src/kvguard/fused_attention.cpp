@@ -179,21 +179,23 @@ inline void dequantize_codes(const uint8_t* src, int64_t dim, const float* scale
   for (; d < dim; ++d) out[d] = static_cast<float>(code_at<BITS>(src, d)) * scale[d] + zero[d];
 }
 
-// out[r * stride] = q[r] . (one token's dequantized key), r < rows. q holds rows rounded up to a multiple of
-// kRowBlock (zero rows past `rows`), so four dot products share each dequantized chunk of eight channels and
-// the key never goes through memory.
+// Query rows per pass: q holds rows rounded up to a multiple of kRowBlock (zero rows past `rows`), so four dot
+// products share each chunk of eight key channels.
 constexpr int64_t kRowBlock = 4;
 
-template <int BITS>
-inline void key_dots(const uint8_t* src, int64_t dim, const float* scale, const float* zero, const float* q,
-                     int64_t rows, float* out, int64_t stride, float* key) {
+// out[r * stride] = q[r] . key, r < rows: the key's channels d .. d + 7 come from load8(d) (the vector path:
+// codes dequantized in registers, or a key in memory), or from `key` (the scalar path, for a dim that is not a
+// multiple of eight).
+template <typename Load8>
+inline void row_dots(Load8 load8, int64_t dim, const float* q, int64_t rows, float* out, int64_t stride,
+                     const float* key) {
 #if defined(__AVX2__)
   if (dim % 8 == 0) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const float* q0 = q + r0 * dim;
       __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
       for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 k = dequantize8<BITS>(src, d, scale, zero);
+        const __m256 k = load8(d);
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k, acc0);
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + dim + d), k, acc1);
         acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * dim + d), k, acc2);
@@ -206,7 +208,7 @@ inline void key_dots(const uint8_t* src, int64_t dim, const float* scale, const 
     return;
   }
 #endif
-  dequantize_codes<BITS>(src, dim, scale, zero, key);
+  (void)load8;
   for (int64_t r = 0; r < rows; ++r) {
     const float* qr = q + r * dim;
     float acc = 0.0f;
@@ -215,6 +217,27 @@ inline void key_dots(const uint8_t* src, int64_t dim, const float* scale, const 
     for (int64_t d = 0; d < dim; ++d) acc += qr[d] * key[d];
     out[r * stride] = acc;
   }
+}
+
+// The loader of a key already in memory (dequantized, or turned).
+struct KeyInMemory {
+  const float* key;
+#if defined(__AVX2__)
+  __m256 operator()(int64_t d) const { return _mm256_loadu_ps(key + d); }
+#endif
+};
+
+template <int BITS>
+inline void key_dots(const uint8_t* src, int64_t dim, const float* scale, const float* zero, const float* q,
+                     int64_t rows, float* out, int64_t stride, float* key) {
+#if defined(__AVX2__)
+  if (dim % 8 == 0) {  // the codes dequantized in registers: the key never goes through memory
+    row_dots([&](int64_t d) { return dequantize8<BITS>(src, d, scale, zero); }, dim, q, rows, out, stride, key);
+    return;
+  }
+#endif
+  dequantize_codes<BITS>(src, dim, scale, zero, key);
+  row_dots(KeyInMemory{key}, dim, q, rows, out, stride, key);
 }
 
 inline void key_dots(const uint8_t* src, int bits, int64_t dim, const float* scale, const float* zero, const float* q,
@@ -446,37 +469,6 @@ void turned_key(float* x, int64_t D, const Turn& turn, int64_t h, int64_t t, flo
   }
 }
 
-// out[r * stride] = q[r] . key, r < rows; q holds rows rounded up to a multiple of kRowBlock (zero rows past
-// `rows`), so four dot products share each load of the key.
-void dots(const float* q, const float* key, int64_t rows, int64_t D, float* out, int64_t stride) {
-#if defined(__AVX2__)
-  if (D % 8 == 0) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const float* q0 = q + r0 * D;
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 k = _mm256_loadu_ps(key + d);
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D + d), k, acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * D + d), k, acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * D + d), k, acc3);
-      }
-      const float sums[kRowBlock] = {horizontal_sum(acc0), horizontal_sum(acc1), horizontal_sum(acc2),
-                                     horizontal_sum(acc3)};
-      for (int64_t j = 0; j < kRowBlock && r0 + j < rows; ++j) out[(r0 + j) * stride] = sums[j];
-    }
-    return;
-  }
-#endif
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* qr = q + r * D;
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < D; ++d) acc += qr[d] * key[d];
-    out[r * stride] = acc;
-  }
-}
-
 }  // namespace
 
 void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& heads, const torch::Tensor& q,
@@ -515,7 +507,7 @@ void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& head
         if (turn.cos) {
           dequantize_codes(src, codes.bits, D, sc, zr, key);
           turned_key(key, D, turn, h, t, turned);
-          dots(qpad.data(), turned, R, D, oh + t, dst.sr);
+          row_dots(KeyInMemory{turned}, D, qpad.data(), R, oh + t, dst.sr, turned);
           continue;
         }
         key_dots(src, codes.bits, D, sc, zr, qpad.data(), R, oh + t, dst.sr, key);
