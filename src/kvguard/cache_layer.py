@@ -18,7 +18,8 @@ A layer stores the tokens it has seen, in order, as::
   randomized Hadamard matrix per KV head (:mod:`kvguard.rotation`), read back as ``dequantize(...) @ R.T``.
 - **pre-RoPE keys** (optional, ``CacheConfig.prerope_keys``): key heads below INT8 store their keys turned back by
   RoPE (:mod:`kvguard.rope`; before the rotation, if any) and turn them to their positions again when read. The
-  fused kernels read only post-RoPE codes, so a layer holding such keys reads the materializing way.
+  fused CPU kernel turns them as it reads the codes (``stored_read`` hands it RoPE's rows); the Triton kernel
+  reads post-RoPE codes only and refuses such a layer.
 - **overlay**: full-precision K/V for chosen quantized positions (selective recomputation writes it through
   :meth:`KVGuardLayer.write_fp`); it wins over the codes when the layer is read.
 - **backing** (optional, off by default): every group ``_store`` quantizes also goes, as the window held it, to
@@ -38,8 +39,7 @@ materialize: it records a :class:`~kvguard.fused_attention.StoredRead` (referenc
 they are before the new tokens are appended, see :meth:`KVGuardLayer.stored_read`) with the harness, returns
 only the new tokens, and the harness's attention function attends over both through the C++ kernels, reading
 the codes directly. The numbers are today's up to float summation order; the columns (and so the mask) are the
-same. Everything else (prefill, hooks, a missing kernel build, keys stored before RoPE) keeps the materialized
-read.
+same. Everything else (prefill, hooks, a missing kernel build) keeps the materialized read.
 """
 
 from __future__ import annotations

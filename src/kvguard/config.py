@@ -66,8 +66,8 @@ class CacheConfig:
         prerope_keys: store key heads below INT8 before RoPE (:mod:`kvguard.rope`), as KVQuant does: the cache
             undoes each key's turn before quantizing it and turns what it reads back again, so a per-channel group
             no longer mixes the two channels of a fast-turning pair. Same bytes; needs the model's RoPE (the cache
-            is built from the model's config) and is read only by the materializing read (the fused C++ / Triton
-            kernels read post-RoPE codes). Not with ``score_correction``, whose noise model is post-RoPE.
+            is built from the model's config). The fused C++ decode kernel turns such keys as it reads them; the
+            Triton kernel reads post-RoPE codes only. Not with ``score_correction``, whose noise model is post-RoPE.
     """
 
     residual: int = 64
