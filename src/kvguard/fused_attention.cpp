@@ -381,6 +381,7 @@ struct Turn {
   const float* cos = nullptr;  // [T, D]; nullptr: keys stored after RoPE, read as they are
   const float* sin = nullptr;
   const float* signs = nullptr;  // [h, D]; nullptr: not rotated
+  float norm = 1.0f;             // 1 / sqrt(D), the rotation's scale
 };
 
 Turn turn_of(const torch::Tensor& signs, const torch::Tensor& cos, const torch::Tensor& sin, int64_t h, int64_t T,
@@ -397,6 +398,7 @@ Turn turn_of(const torch::Tensor& signs, const torch::Tensor& cos, const torch::
                 signs.size(0) == h && signs.size(1) == D, "signs must be contiguous float32 [h, D]");
     TORCH_CHECK((D & (D - 1)) == 0, "a rotated head needs a power-of-two head_dim, got ", D);
     turn.signs = signs.data_ptr<float>();
+    turn.norm = 1.0f / std::sqrt(static_cast<float>(D));
   }
   return turn;
 }
@@ -444,10 +446,9 @@ void hadamard(float* x, int64_t D) {
 void turned_key(float* x, int64_t D, const Turn& turn, int64_t h, int64_t t, float* out) {
   if (turn.signs) {
     hadamard(x, D);
-    const float norm = 1.0f / std::sqrt(static_cast<float>(D));
     const float* sg = turn.signs + h * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) x[d] = x[d] * norm * sg[d];
+    for (int64_t d = 0; d < D; ++d) x[d] = x[d] * turn.norm * sg[d];
   }
   const float* c = turn.cos + t * D;
   const float* s = turn.sin + t * D;
