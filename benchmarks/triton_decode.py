@@ -106,7 +106,8 @@ def setup(precision: str, context: int, batch: int, device: torch.device):
     layer, keys, values = filled_layer(precision, context, batch, device)
     query = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, device=device, dtype=torch.float16)
     attention = ta._Attention(query, layer.num_heads, None, HEAD_DIM ** -0.5, None, None)
-    part = layer._runs[0].parts[0]
+    read = layer.stored_read()
+    segment = next(seg for seg in read.segments if seg.quantized)  # the quantized run
     q32 = query.float()
 
     def dequant():
@@ -116,8 +117,8 @@ def setup(precision: str, context: int, batch: int, device: torch.device):
     return layer, {
         "fp16-sdpa": lambda: sdpa(query, keys, values),
         "kvguard-dequant": dequant,
-        "kvguard-triton": lambda: ta.decode_attention(layer, query),
-        "kvguard-triton-part": lambda: attention.kernel(q32, part, None),
+        "kvguard-triton": lambda: ta.decode_attention(layer.stored_read(), query),
+        "kvguard-triton-part": lambda: attention.kernel(q32, segment, None),
     }
 
 

@@ -209,7 +209,7 @@ def test_static_int8_scales_are_used_and_shared():
     absmax = keys.abs().amax(dim=(0, 2))  # [H, D], as calibration would record
     layer.set_static_scales(absmax, values.abs().amax(dim=(0, 2)))
     feed(layer, keys, values, 40)
-    part = layer._runs[0].parts[0]
+    part = layer.store.runs[0].parts[0]
     assert part.keys.spec.static and part.keys.scale.shape == (1, H, 1, D)
     got_k, _ = layer.materialize(torch.float32)
     q = layer.quantized_positions()
@@ -231,13 +231,13 @@ def test_an_8_bit_window_stores_int8_codes_under_the_calibrated_scales():
         fp.update(keys[..., t:t + 1, :], values[..., t:t + 1, :])
         # The newest token is read as computed; the window's older tokens within one INT8 step.
         assert torch.equal(out_k[..., -1:, :], keys[..., t:t + 1, :])
-    assert layer._win_k.dtype == torch.int8 and layer._win_k.shape[-2] == fp._win_k.shape[-2] > 0
+    assert layer.store.win_k.dtype == torch.int8 and layer.store.win_k.shape[-2] == fp.store.win_k.shape[-2] > 0
     win_k, win_v = layer.window_tensors(torch.float32)
     start = layer.window_start()
     assert (win_k - keys[..., start:, :]).abs().max() <= (WINDOW_HEADROOM * k_amax / 127).max() / 2 + 3e-3
     assert (win_v - values[..., start:, :]).abs().max() <= (WINDOW_HEADROOM * v_amax / 127).max() / 2 + 3e-3
     # The window costs 1 byte a value (and one float16 scale per KV head and channel) instead of 2.
-    window_values = 2 * B * H * layer._win_k.shape[-2] * D
+    window_values = 2 * B * H * layer.store.win_k.shape[-2] * D
     assert fp.nbytes() - layer.nbytes() == window_values - 2 * H * D * 2
     # Tokens left the window from their 8-bit copy: the history differs from the 16-bit window's, by little.
     got, ref = layer.materialize(torch.float32)[0], fp.materialize(torch.float32)[0]
@@ -300,7 +300,7 @@ def test_groups_are_written_into_preallocated_room_and_earlier_reads_stay():
     layer = KVGuardLayer(("int4", "fp16", "int2"), CFG)
     keys, values = kv(80, 21)
     feed(layer, keys[..., :40, :], values[..., :40, :], chunk=1)
-    int4, fp16 = layer._runs[0].parts[0], layer._runs[0].parts[1]
+    int4, fp16 = layer.store.runs[0].parts[0], layer.store.runs[0].parts[1]
     read = layer.stored_read()
     before = [(s.keys.dequantize() if hasattr(s.keys, "dequantize") else s.keys).clone() for s in read.segments]
     codes, plain = int4.keys.qdata.data_ptr(), fp16.values.data_ptr()

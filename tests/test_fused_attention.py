@@ -12,6 +12,7 @@ from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
 from kvguard.config import CacheConfig
 from kvguard.control.decoding import CacheDecoder, generate
 from kvguard.rope import Rope
+from kvguard.stored_read import StoredRead, StoredSegment
 
 pytestmark = pytest.mark.skipif(not fused_attention.available(), reason="fused kernels not built: make install")
 
@@ -61,7 +62,7 @@ def test_matches_reference_per_precision(precision, rotate):
     layer = KVGuardLayer(precision, CONFIG)
     layer.set_rotation(rotate, rotate)
     _fill(layer, 61, gen)
-    assert layer.stored_tokens == 61 and layer._runs
+    assert layer.stored_tokens == 61 and layer.store.runs
     _check(layer, gen)
 
 
@@ -86,7 +87,7 @@ def test_kernel_paths_for_every_shape(precision, dim, group, rep, tq):
                                                                     float("-inf"))
     expected = torch.softmax(scores, dim=-1) @ values
     got = fused_attention.attend(q, layer.stored_read(), k, v, None, scaling=dim ** -0.5)
-    assert sum(r.length for r in layer._runs) >= 256  # more than one token block of the kernels
+    assert sum(r.length for r in layer.store.runs) >= 256  # more than one token block of the kernels
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -98,7 +99,7 @@ def test_static_int8_scales_and_clips():
     layer.set_precision(("int4", "int8", "int2"))
     layer.set_clip(0.9, 0.8)
     _fill(layer, 33, gen)
-    assert len(layer._runs) == 2
+    assert len(layer.store.runs) == 2
     _check(layer, gen)
 
 
@@ -108,7 +109,7 @@ def test_an_8_bit_window_is_read_decoded():
     layer.set_static_scales(torch.rand(H_KV, D, generator=gen) * 3 + 3, torch.rand(H_KV, D, generator=gen) * 3 + 3)
     layer.set_rotation(True, True)
     _fill(layer, 45, gen)
-    assert layer._win_k.dtype == torch.int8 and layer._win_k.shape[-2] > 0
+    assert layer.store.win_k.dtype == torch.int8 and layer.store.win_k.shape[-2] > 0
     _check(layer, gen)
 
 
@@ -120,7 +121,7 @@ def test_one_byte_scales_and_searched_ranges_are_read_decoded():
         each.set_rotation(True, False)
     _fill(layer, 45, gen)
     _fill(wide, 45, torch.Generator().manual_seed(6))
-    dtypes = {part.keys.scale.dtype for run in layer._runs for part in run.parts}
+    dtypes = {part.keys.scale.dtype for run in layer.store.runs for part in run.parts}
     assert dtypes == {torch.uint8, torch.float16}  # one byte for INT3 / INT2, float16 for INT4
     # INT3 / INT2 scales and zero points take 2 of the 4 bytes per group: keys every 8 tokens per channel,
     # values every 8 channels per token, over the 2 x 2 quantized heads' 32 history tokens.
@@ -139,7 +140,7 @@ def test_one_byte_scales_are_decoded_in_the_kernel_exactly_as_in_torch():
     cfg = CacheConfig(residual=4, sinks=1, group_size=8, scale_bits=8, range_search=True)
     layer = KVGuardLayer(("int3", "int2", "int3"), cfg)
     layer.update(torch.randn(B, H_KV, 300, D, generator=gen) * 3 + 1, torch.randn(B, H_KV, 300, D, generator=gen))
-    ops, part = fused_attention.kernels(), layer._runs[0].parts[0]  # the two INT3 heads
+    ops, part = fused_attention.kernels(), layer.store.runs[0].parts[0]  # the two INT3 heads
     h = part.keys.shape[1]
     q = torch.randn(B, h, REP, D, generator=gen)
     for x, axis in ((part.keys, (8, 1)), (part.values, (1, 8))):
@@ -178,8 +179,8 @@ def test_the_kernel_applies_the_softmax_bias_correction(scale_bits):
     keys = torch.cat([past_k, k], dim=-2)
     qs = (q * scaling).reshape(B, H_KV, REP, D)  # rows: the query heads of each KV head
     scores = qs @ keys.transpose(-1, -2)  # [B, H_kv, REP, N]
-    column, corrected = layer._sinks_k.shape[-2], 0
-    for run in layer._runs:
+    column, corrected = layer.store.sinks_k.shape[-2], 0
+    for run in layer.store.runs:
         for part in run.parts:
             if part.layout.key_spec is not None and score_bias.applies(part.layout.key_spec):
                 rows = qs.index_select(1, part.index)
@@ -221,7 +222,7 @@ def test_sliding_layer_after_dropping_groups():
     gen = torch.Generator().manual_seed(4)
     layer = KVGuardSlidingLayer("int4", CONFIG, sliding_window=30)
     _fill(layer, 90, gen)
-    assert layer.offset > 0 and layer._runs
+    assert layer.offset > 0 and layer.store.runs
     n = layer.stored_tokens + 1
     visible = torch.arange(layer.offset, layer.offset + n) > layer.length - 30  # what the window still sees
     _check(layer, gen, mask=visible.view(1, 1, 1, n).expand(B, 1, 1, n))
@@ -243,7 +244,7 @@ def test_keys_stored_before_rope_are_turned_in_the_kernel(precision, rotate):
     assert layer.holds_prerope_keys()
     read = layer.stored_read()
     turned = [seg for seg in read.segments if seg.key_turn is not None]
-    assert turned and all(seg.key_rotation is None for seg in turned)
+    assert turned
     assert all((seg.key_signs is not None) == rotate for seg in turned)
     _check(layer, gen)
     _check(layer, gen, tq=3)
@@ -272,7 +273,7 @@ def test_keys_before_rope_in_plain_tensors_are_refused():
     read unturned, so it is refused."""
     keys = torch.randn(B, H_KV, 5, D)
     cos, sin = PREROPE.tables(0, 0, 5)
-    read = fused_attention.StoredRead((fused_attention.StoredSegment(0, 5, None, keys, keys, key_turn=(cos, sin)),), 5)
+    read = StoredRead((StoredSegment(0, 5, None, keys, keys, key_turn=(cos, sin)),), 5, *keys.shape[:2], keys.shape[-1])
     q, k = torch.randn(B, H_KV * REP, 1, D), torch.randn(B, H_KV, 1, D)
     with pytest.raises(ValueError, match="as codes"):
         fused_attention.attend(q, read, k, k, None, scaling=0.25)
@@ -288,11 +289,11 @@ def test_keys_before_rope_several_runs_and_a_sliding_layer_turn_by_absolute_posi
     _fill(layer, 30, gen)
     layer.set_precision(("int2", "fp16", "int3"))
     _fill(layer, 40, gen)
-    assert len(layer._runs) == 2
+    assert len(layer.store.runs) == 2
     _check(layer, gen)
     sliding = KVGuardSlidingLayer("int3", config, sliding_window=30, rope=PREROPE)
     _fill(sliding, 90, gen)
-    assert sliding.offset > 0 and sliding._runs
+    assert sliding.offset > 0 and sliding.store.runs
     n = sliding.stored_tokens + 1
     visible = torch.arange(sliding.offset, sliding.offset + n) > sliding.length - 30
     _check(sliding, gen, mask=visible.view(1, 1, 1, n).expand(B, 1, 1, n))
@@ -353,7 +354,7 @@ def test_padded_batch_through_the_model():
         step_ids, step_mask = ids[:, -2:], torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], 1)
         with attention.fused_reads(model) if fused else torch.no_grad():
             out = model(input_ids=step_ids, attention_mask=step_mask, cache=cache, use_cache=True).logits
-        assert bool(cache.layers[0]._runs)
+        assert bool(cache.layers[0].store.runs)
         outs.append(out)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
@@ -369,19 +370,18 @@ def test_unconsumed_read_is_refused():
         attention._PENDING.set(None)
 
 
-def test_only_a_cache_on_the_cpu_hands_its_read_to_the_kernels():
-    """The kernels are C++ CPU code: a cache whose tensors live on a GPU reads the materializing way instead of
-    passing device pointers to them (the meta device stands in for a GPU here)."""
-    layer = KVGuardLayer("int4", CONFIG)
-    _fill(layer, 20, torch.Generator().manual_seed(7))
-    token = attention._FUSED.set(True)
-    try:
-        assert layer._defers(torch.zeros(B, H_KV, 1, D))
-        assert not layer._defers(torch.zeros(B, H_KV, 1, D, device="meta"))
-    finally:
-        attention._FUSED.reset(token)
+def test_reads_the_kernels_cannot_take_go_tile_by_tile(monkeypatch):
+    """The kernels are C++ CPU code: where they cannot read (a cache on a GPU, no build), a deferred read goes
+    through the tiles of the chunked read instead, with the same attention."""
     assert fused_attention.available(torch.device("cpu"))
     assert not fused_attention.available(torch.device("cuda"))
+    gen = torch.Generator().manual_seed(7)
+    layer = KVGuardLayer(("int4", "fp16", "int2"), CONFIG)
+    layer.set_rotation(True, True)
+    _fill(layer, 61, gen)
+    monkeypatch.setattr(fused_attention, "available", lambda device=None: False)
+    _check(layer, gen)
+    _check(layer, gen, tq=3)
 
 
 @pytest.mark.slow
@@ -393,7 +393,7 @@ def test_smollm2_greedy_tokens_unchanged(smollm2):
     caches = [KVGuardCache(model.config, "int4", config) for _ in range(2)]
     tokens = [generate(CacheDecoder(model, cache, fused=fused), ids, 24).tokens
               for cache, fused in zip(caches, (False, True))]
-    assert caches[1].layers[0].stored_tokens > 64 and sum(r.length for r in caches[1].layers[0]._runs) >= 48
+    assert caches[1].layers[0].stored_tokens > 64 and sum(r.length for r in caches[1].layers[0].store.runs) >= 48
     assert tokens[0] == tokens[1] and len(tokens[0]) == 24
 
 

@@ -6,11 +6,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvguard import rotation, simulate
+from kvguard import rotation
+from kvguard.store import Format, Store
 from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
 from kvguard.config import CacheConfig
 from kvguard.precision import Precision
-from kvguard.quantizer import Axis
 from kvguard.rope import Rope, rerope, unrope
 
 D = 64
@@ -73,20 +73,20 @@ def test_other_rope_kinds_and_missing_parameters_are_refused():
 
 @pytest.mark.parametrize("rotate", [False, True])
 def test_the_layer_stores_what_the_simulation_stores_exactly(rotate):
-    """Streamed token by token, the keys a pre-RoPE layer reads back are the simulation's store of the same keys,
-    bit for bit (heads below INT8 turned back, rotated or not; INT8 and FP16 heads as post-RoPE), and differ from
-    the post-RoPE store."""
+    """Streamed token by token, the keys a pre-RoPE layer reads back are, bit for bit, those of a store that takes
+    the whole stream in one append, as the simulation does (heads below INT8 turned back, rotated or not; INT8 and
+    FP16 heads as post-RoPE), and differ from the post-RoPE store."""
     tiers = (Precision.INT3, Precision.INT2, Precision.INT8, Precision.FP16)
     cfg = CacheConfig(residual=16, sinks=4, group_size=16, prerope_keys=True, fp_dtype="float32")
     keys = _turned_keys(len(tiers), 200, layer=1)
     layer = KVGuardLayer(tiers, cfg, 1, rope=ROPE)
     layer.set_rotation(rotate, False)
     read = _stream(layer, keys)
-    end = 4 + (200 - 4 - 16) // 16 * 16  # the quantized groups' end
-    rot = rotation.signs(D, len(tiers), 1, keys.device) if rotate else None
-    simulated = simulate._quantized_copy(keys, tiers, 4, end, Axis.CHANNEL, cfg, 1.0, None, rot, None, 1,
-                                         rope=ROPE.tables(1, 0, 200))
-    assert torch.equal(read, simulated)
+    whole = Store(cfg, 1, ROPE, Format(tiers, key_rotation=rotate))
+    whole.initialize(keys)
+    whole.append(keys, keys)
+    assert whole.runs and whole.holds_prerope_keys()
+    assert torch.equal(read, whole.read().materialize(torch.float32)[0])
     post = KVGuardLayer(tiers, replace(cfg, prerope_keys=False), 1)
     post.set_rotation(rotate, False)
     before = _stream(post, keys)

@@ -66,7 +66,7 @@ def reference(layer, q, keys=None, values=None, mask=None, scaling=None, softcap
 
 
 def run_kernel(layer, q, *, keys=None, values=None, mask=None, **kw):
-    out = ta.decode_attention(layer, q, keys, values, mask, **kw)
+    out = ta.decode_attention(layer.stored_read(), q, keys, values, mask, **kw)
     return out, reference(layer, q, keys, values, mask, kw.get("scaling"), kw.get("softcap"))
 
 
@@ -123,7 +123,7 @@ def test_several_runs_rotation_overlay_and_new_tokens_with_a_causal_mask():
     layer.set_precision("int3")
     layer.set_rotation(False, True)
     layer.update(keys[..., 130:, :], values[..., 130:, :])
-    assert len(layer._runs) == 3
+    assert len(layer.store.runs) == 3
     # Full-precision K/V at quantized positions of every run, and at a sink and a window position.
     pos = torch.tensor([1, 10, 11, 75, 150, 190, 197], device=DEVICE)
     fresh_k, fresh_v = kv(len(pos), 4)
@@ -158,7 +158,7 @@ def test_sliding_layer_with_its_window_mask():
     layer = KVGuardSlidingLayer("int4", CFG, sliding_window=window)
     originals = filled(layer, 150, chunk=7)
     kv_len, offset = layer.get_mask_sizes(1)
-    assert offset > 0 and len(layer._runs) == 1  # whole groups dropped from the front
+    assert offset > 0 and len(layer.store.runs) == 1  # whole groups dropped from the front
     keys_at = torch.arange(offset, offset + kv_len, device=DEVICE)
     mask = torch.where(layer.length - keys_at < window, 0.0, torch.finfo(torch.float32).min).view(1, 1, 1, -1)
     new_k, new_v = kv(1, 6)
@@ -202,14 +202,14 @@ def test_refuses_cpu_outside_the_interpreter_and_bad_shapes(monkeypatch):
     layer = KVGuardLayer("int4", CFG)
     filled(layer, 40)
     with pytest.raises(ValueError, match="multiple of the layer's KV heads"):
-        ta.decode_attention(layer, torch.zeros(B, 4, 1, D, device=DEVICE))
+        ta.decode_attention(layer.stored_read(), torch.zeros(B, 4, 1, D, device=DEVICE))
     with pytest.raises(ValueError, match="attention_mask must be"):
-        ta.decode_attention(layer, query(), attention_mask=torch.zeros(1, 1, 1, 5, device=DEVICE))
+        ta.decode_attention(layer.stored_read(), query(), attention_mask=torch.zeros(1, 1, 1, 5, device=DEVICE))
     on_cpu = KVGuardLayer("int4", CFG)
     on_cpu.update(*kv(40, 0, device=torch.device("cpu")))
     monkeypatch.setattr(ta, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        ta.decode_attention(on_cpu, query().cpu())
+        ta.decode_attention(on_cpu.stored_read(), query().cpu())
 
 
 def test_without_triton_the_module_says_what_to_install_and_nothing_else_imports_it(monkeypatch):

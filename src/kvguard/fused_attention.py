@@ -1,9 +1,8 @@
 """Decode attention that reads the quantized cache's codes directly, without materializing the history.
 
-Today's read (``KVGuardLayer.materialize``) dequantizes every stored token into a float tensor at every decode
-step and hands the model the concatenation. For a decode step (at most :data:`MAX_QUERY` new tokens) the layer
-instead hands the attention harness (:mod:`kvguard.attention`) a :class:`StoredRead`: the segments of its
-stored past, as they were before this step's tokens were appended, and :func:`attend` computes
+For a decode step (at most :data:`MAX_QUERY` new tokens) a layer hands the attention harness
+(:mod:`kvguard.attention`) a :class:`~kvguard.stored_read.StoredRead`: the segments of its stored past, as they
+were before this step's tokens were appended, and :func:`attend` computes
 
     softmax(q . k / sqrt(D) + mask) @ v
 
@@ -16,7 +15,7 @@ columns, hence the same mask, as the materialized tensor):
   parts, the new tokens, overlay positions) by plain matmuls. Keys stored rotated (``k @ R``) are scored
   against the rotated query ``q @ R``: ``q . k = (q R) . (k R)``. Keys stored before RoPE
   (``CacheConfig.prerope_keys``) are turned in the kernel, key by key: rotated back, then turned by RoPE's row
-  at their position (:class:`StoredSegment` ``key_turn``).
+  at their position (``StoredSegment.key_turn``).
 - **softmax** over the whole row at once, after the mask transformers passed (boolean or additive; ``None``
   for an unpadded one-token step) and soft-capping, so the probabilities equal the reference's up to float
   summation order. The score row is ``H_q * T_q * N`` floats, tiny next to the ``2 * H_kv * N * D`` of K/V.
@@ -29,7 +28,8 @@ The C++ kernels are compiled by the install (``make install`` runs ``python -m k
 --build``) with ``torch.utils.cpp_extension`` into :func:`build_dir` (the venv, or ``$KVGUARD_HOME/kernels``
 outside one), for this machine's CPU (``-O3 -march=native``, OpenMP through ``at::parallel_for``). At run time
 :func:`kernels` loads the built module; if it is missing, stale (the source changed since) or fails to load,
-kvguard warns once and layers keep today's read.
+kvguard warns once and every read goes through :mod:`kvguard.chunk_attention` (a tile of dequantized history at
+a time), as longer chunks always do.
 """
 
 from __future__ import annotations
@@ -40,67 +40,19 @@ import importlib.util
 import os
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvguard import scale_codes, score_bias
+from kvguard import chunk_attention, scale_codes, score_bias
 from kvguard.quantizer import Axis, QuantizedTensor
+from kvguard.stored_read import StoredRead, StoredSegment
 
-MAX_QUERY = 8  # new tokens per step read through the kernels; a longer chunk (a prefill) materializes
+MAX_QUERY = 8  # query tokens per step read through the kernels; a longer chunk reads tiles (chunk_attention)
 NAME = "kvguard_decode_attention"
 SOURCE = Path(__file__).with_name("fused_attention.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LOADED: list = []  # [module or None] once loading was tried
-
-
-@dataclass(frozen=True)
-class StoredSegment:
-    """Stored tokens ``[start, start + length)`` (columns: positions minus the layer's offset) of some heads.
-
-    Attributes:
-        heads: the layer's KV heads it holds (``LongTensor``), ``None`` for all of them.
-        keys / values: ``[B, h, length, D]``: a :class:`QuantizedTensor` or a full-precision tensor.
-        key_rotation / value_rotation: the heads' ``[h, D, D]`` rotation matrices ``R`` when that side is stored
-            rotated (one small matmul per part rotates the query or the output: the butterflies of
-            :func:`kvguard.rotation.rotate` cost six rounds of small tensor ops per call here).
-        key_turn: for quantized keys stored before RoPE (``CacheConfig.prerope_keys``), RoPE's ``(cos, sin)``
-            ``[length, D]`` at their positions; the kernel turns each key as it reads it (a turn that depends on
-            the key's position cannot move onto the query), after rotating it back with ``key_signs`` (the heads'
-            ``[h, D]`` signs, :mod:`kvguard.rotation`) where the keys are stored rotated. ``key_rotation`` is then
-            ``None``.
-    """
-
-    start: int
-    length: int
-    heads: torch.Tensor | None
-    keys: "QuantizedTensor | torch.Tensor"
-    values: "QuantizedTensor | torch.Tensor"
-    key_rotation: torch.Tensor | None = None
-    value_rotation: torch.Tensor | None = None
-    key_turn: tuple[torch.Tensor, torch.Tensor] | None = None
-    key_signs: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class StoredRead:
-    """What a decode step reads from a layer: its stored past before the step's tokens were appended.
-
-    Attributes:
-        segments: every stored stretch, in column order (sinks, each run's parts, window).
-        length: stored tokens (the new tokens' columns follow).
-        overlay_columns: ``[P]`` columns served from the full-precision overlay (``None``: no overlay), with
-            ``overlay_keys`` / ``overlay_values`` ``[B, H_kv, P, D]``.
-        score_correction: correct the scores of keys read from codes below INT8 (:mod:`kvguard.score_bias`).
-    """
-
-    segments: tuple[StoredSegment, ...]
-    length: int
-    overlay_columns: torch.Tensor | None = None
-    overlay_keys: torch.Tensor | None = None
-    overlay_values: torch.Tensor | None = None
-    score_correction: bool = False
 
 
 # ------------------------------------------------------------------------------------------ the extension
@@ -187,14 +139,14 @@ def _codes(x: QuantizedTensor, batch: int, heads: int) -> tuple:
 
 def _score_segment(ops, scores: torch.Tensor, q: torch.Tensor, seg: StoredSegment, correct: bool = False) -> None:
     qs = q if seg.heads is None else q.index_select(1, seg.heads)
-    if seg.key_rotation is not None:
-        qs = qs @ seg.key_rotation  # (q R) . (k R) = q . k
+    if seg.key_signs is not None and seg.key_turn is None:
+        qs = qs @ seg.rotation  # (q R) . (k R) = q . k
     if isinstance(seg.keys, QuantizedTensor):
         heads = seg.heads if seg.heads is not None else torch.empty(0, dtype=torch.long)
         # The kernel adds the softmax-bias correction (score_bias.correction) itself, in the keys' (rotated)
         # basis, once per scale row: as separate tensor ops it cost 7-9 % of a SmolLM2 decode step at 4,096 tokens.
         turn = (_NO_TURN, _NO_TURN) if seg.key_turn is None else seg.key_turn
-        signs = _NO_TURN if seg.key_signs is None else seg.key_signs
+        signs = _NO_TURN if seg.key_signs is None or seg.key_turn is None else seg.key_signs.contiguous()
         ops.key_scores(scores, seg.start, heads, qs.contiguous(), *_codes(seg.keys, q.shape[0], qs.shape[1]),
                        correct and score_bias.applies(seg.keys.spec), signs, *turn)
         return
@@ -216,8 +168,8 @@ def _read_segment(ops, probs: torch.Tensor, out: torch.Tensor, seg: StoredSegmen
         p = probs[..., seg.start:seg.start + seg.length]
         p = p if seg.heads is None else p.index_select(1, seg.heads)
         part = p @ seg.values.to(torch.float32)  # [B, h, R, D]
-    if seg.value_rotation is not None:
-        part = part @ seg.value_rotation.transpose(-1, -2)  # (p @ v R) R^T = p @ v
+    if seg.value_signs is not None:
+        part = part @ seg.rotation.transpose(-1, -2)  # (p @ v R) R^T = p @ v
     if seg.heads is None:
         out += part
     else:
@@ -245,8 +197,22 @@ def _mask_(scores: torch.Tensor, attention_mask: torch.Tensor | None, rep: int, 
 def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,
            attention_mask: torch.Tensor | None, *, scaling: float, softcap: float | None = None) -> torch.Tensor:
     """Attention of ``query`` (``[B, H_q, T_q, D]``) over ``read`` followed by the new ``key`` / ``value``
-    (``[B, H_kv, T_q, D]``): ``[B, H_q, T_q, D]`` in the query's dtype."""
-    return attend_with_probs(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)[0]
+    (``[B, H_kv, T_q, D]``): ``[B, H_q, T_q, D]`` in the query's dtype.
+
+    A decode step (at most :data:`MAX_QUERY` query tokens, on the CPU, kernels built) reads the codes in C++; a
+    longer chunk, or a step the kernels cannot take, reads the history a tile at a time
+    (:mod:`kvguard.chunk_attention`), whose scores are not bias-corrected."""
+    if query.shape[2] <= MAX_QUERY and available(query.device):
+        return attend_with_probs(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)[0]
+    if read.score_correction and any(seg.quantized for seg in read.segments):
+        warnings.warn(UNCORRECTED, RuntimeWarning, stacklevel=2)
+    return chunk_attention.attend(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)
+
+
+# Said once per place where a read applies no softmax-bias correction although the cache asks for it.
+UNCORRECTED = ("score_correction is on, but this read dequantizes the stored keys (a chunk of more than "
+                f"{MAX_QUERY} tokens, or a cache the fused CPU kernels cannot read): the softmax-bias correction "
+                "applies only where they read the codes, so these scores are uncorrected")
 
 
 def attend_with_probs(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,

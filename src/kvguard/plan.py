@@ -14,6 +14,7 @@ from kvguard.config import CacheConfig
 from kvguard.architecture import Architecture
 from kvguard.precision import Precision, value_tiers
 from kvguard.rope import Rope
+from kvguard.store import Format
 
 
 MAX_VALUE_DROP = 2  # INT4 keys with INT2 values; lower than that is where keys are INT2 anyway
@@ -52,6 +53,11 @@ class LayerPlan:
     def value_precision(self) -> tuple[Precision, ...]:
         """The tier each KV head stores its values in."""
         return value_tiers(self.precision, self.value_drop)
+
+    def format(self) -> Format:
+        """How a cache layer stores this layer's tokens (:class:`~kvguard.store.Format`)."""
+        return Format(self.uniform or self.precision, self.key_clip, self.value_clip, self.key_rotation,
+                      self.value_rotation, self.value_drop)
 
 
 def _normalized_drop(precision: tuple[Precision, ...], drop) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ Rounding noise ``n`` on a stored key adds ``q . n`` to its attention score. Take
 softmax weight by ``exp(s^2 / 2)`` (the mean of a log-normal): keys stored with coarse steps draw more attention
 than they should. The correction subtracts ``s^2 / 2`` from the score of every quantized key. It stores nothing:
 ``Delta`` is the scale the cache keeps for the key's group anyway, and for a rotated side the query is the
-rotated one, as the keys are. Measured on / off in ``benchmarks/softmax_bias.py``.
+rotated one, as the keys are. Measured on / off in ``benchmarks/softmax_bias.py`` (in the history: commit 9242d86).
 
 It applies to keys below INT8 (INT8's step is two orders of magnitude below INT2's, its bias negligible) and
 never to full-precision keys: sinks, the window, FP16 heads, restored or recomputed positions.
@@ -50,7 +50,7 @@ def correction(query: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
     times the score scaling, in the keys' basis) against the stored ``keys`` (``[B, h, T, D]``).
 
     The torch form of what the fused decode kernels add themselves (``key_scores(..., correct)``): the reference
-    their tests and ``benchmarks/fused_scales.py`` compare with; the simulation uses :func:`step_variance`."""
+    their tests compare with; the simulation uses :func:`step_variance`."""
     tokens, dim = keys.shape[-2:]
     q2 = query.square()
     if keys.spec.axis is Axis.CHANNEL:

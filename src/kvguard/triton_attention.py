@@ -1,6 +1,7 @@
-"""Decode attention over one :class:`~kvguard.cache_layer.KVGuardLayer`, reading its packed codes in Triton.
+"""Decode attention over a layer's stored past (a :class:`~kvguard.stored_read.StoredRead`), reading its packed
+codes in Triton.
 
-:func:`decode_attention` computes what the model computes from ``layer.materialize()`` (softmax attention of a
+:func:`decode_attention` computes what the model computes from ``read.materialize()`` (softmax attention of a
 few query tokens over the stored past, plus optional new tokens), without dequantizing the cache into memory:
 
 - **Quantized parts** (a run's heads sharing an integer precision) go through one Triton kernel each. A program
@@ -40,8 +41,8 @@ from functools import lru_cache
 import torch
 
 from kvguard import rotation
-from kvguard.cache_layer import KVGuardLayer, _Part
 from kvguard.quantizer import Axis, QuantizedTensor
+from kvguard.stored_read import StoredRead, StoredSegment
 
 TRITON_INSTALL_HINT = "pip install triton==3.9.0  (or `make install`, which installs requirements.txt)"
 
@@ -374,19 +375,23 @@ class _Attention:
         out, lse = _dense(q, keys, values, self.columns(cols, heads, excluded), self.scaling, self.softcap)
         self.add(out, lse, heads)
 
-    def part(self, part: _Part, cols: slice, excluded: torch.Tensor | None) -> None:
-        """A run's part: ``fp16`` heads in torch, quantized ones through the kernel."""
-        if not isinstance(part.keys, QuantizedTensor):
-            self.dense(part.keys, part.values, cols, part.index, excluded)
+    def segment(self, seg: StoredSegment, excluded: torch.Tensor | None) -> None:
+        """A stored segment: full-precision ones in torch, codes through the kernel (``excluded``: columns,
+        relative to the segment, served from the overlay instead)."""
+        cols = slice(seg.start, seg.stop)
+        kv_heads = seg.heads
+        if not seg.quantized:
+            self.dense(seg.keys, seg.values, cols, kv_heads, excluded)
             return
-        heads = self.query_heads(part.index)
-        signs = None if part.rotation is None else part.rotation.repeat_interleave(self.rep, dim=0)
+        if kv_heads is None:
+            kv_heads = torch.arange(seg.keys.shape[1], device=self.query.device)
+        heads = self.query_heads(kv_heads)
         q = self.query.index_select(1, heads)  # [B, h * rep, T_q, D]
-        if part.layout.key_rotated:
-            q = rotation.rotate(q, signs)  # q R . k_r = q . (k_r R^T)
-        out, lse = self.kernel(q, part, self.columns(cols, heads, excluded))
-        if part.layout.value_rotated:
-            out = rotation.unrotate(out, signs)  # sum p (v_r R^T) = (sum p v_r) R^T
+        if seg.key_signs is not None:
+            q = rotation.rotate(q, seg.key_signs.repeat_interleave(self.rep, dim=0))  # q R . k_r = q . (k_r R^T)
+        out, lse = self.kernel(q, seg, self.columns(cols, heads, excluded))
+        if seg.value_signs is not None:
+            out = rotation.unrotate(out, seg.value_signs.repeat_interleave(self.rep, dim=0))  # (sum p v_r) R^T
         self.add(out, lse, heads)
 
     def result(self) -> torch.Tensor:
@@ -394,11 +399,11 @@ class _Attention:
         lse = torch.stack([p.lse for p in self.partials])
         return _merge(out, lse, 0)[0]
 
-    def kernel(self, q: torch.Tensor, part: _Part, bias: torch.Tensor | None):
-        """The quantized part ``part`` attended by ``q`` (``[B, h * rep, T_q, D]``): output and log-sum-exp."""
-        keys, values = _Codes.of(part.keys), _Codes.of(part.values)
+    def kernel(self, q: torch.Tensor, seg: StoredSegment, bias: torch.Tensor | None):
+        """The quantized segment ``seg`` attended by ``q`` (``[B, h * rep, T_q, D]``): output and log-sum-exp."""
+        keys, values = _Codes.of(seg.keys), _Codes.of(seg.values)
         b, hq, t_q, d = q.shape
-        h, rows, tokens = hq // self.rep, self.rep * t_q, part.keys.num_tokens
+        h, rows, tokens = hq // self.rep, self.rep * t_q, seg.keys.num_tokens
         block_n, block_m = LAUNCH.block_n, triton.next_power_of_2(rows)
         dot = block_m * block_n * d > LAUNCH.broadcast_limit
         if dot:
@@ -433,62 +438,56 @@ class _Attention:
 
 
 # ---------------------------------------------------------------------------------------------------- entry point
-def decode_attention(layer: KVGuardLayer, query: torch.Tensor, keys: torch.Tensor | None = None,
+def decode_attention(read: StoredRead, query: torch.Tensor, keys: torch.Tensor | None = None,
                      values: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
                      scaling: float | None = None, softcap: float | None = None,
                      split_tokens: int | None = None) -> torch.Tensor:
-    """Softmax attention of ``query`` over ``layer``'s stored past followed by ``keys`` / ``values``.
+    """Softmax attention of ``query`` over a layer's stored past ``read`` followed by ``keys`` / ``values``.
 
-    Equals attention over ``torch.cat([layer.materialize()[0], keys])`` (and values) to float32 summation order;
-    see the module docstring. The quantized parts are read from their codes by a Triton kernel.
+    Equals attention over ``torch.cat([read.materialize(...)[0], keys])`` (and values) to float32 summation order;
+    see the module docstring. The quantized segments are read from their codes by a Triton kernel.
 
     Args:
-        layer: an initialized :class:`KVGuardLayer` (or sliding layer), on the device the computation runs on:
-            CUDA runs the kernels compiled; CPU only in Triton's interpreter (``TRITON_INTERPRET=1`` set before
+        read: a layer's :meth:`~kvguard.cache_layer.KVGuardLayer.stored_read`, on the device the computation runs
+            on: CUDA runs the kernels compiled; CPU only in Triton's interpreter (``TRITON_INTERPRET=1`` set before
             triton was first imported), otherwise ``RuntimeError``.
         query: ``[B, H_q, T_q, D]`` (after RoPE), ``H_q`` a multiple of the layer's KV heads, ``D`` a power of two
             >= 16. Meant for decoding: a few query tokens.
         keys, values: optional new tokens ``[B, H_kv, T_new, D]`` not stored in the layer, attended after it.
         attention_mask: additive float (or boolean, True = attend) ``[B, 1 or H_q, T_q, T_stored + T_new]``, as
-            transformers builds it from ``layer.get_mask_sizes``; None attends to every key.
+            transformers builds it from the layer's ``get_mask_sizes``; None attends to every key.
         scaling: the score scale, default ``D ** -0.5``. softcap: Gemma 2-style ``tanh`` capping of the scores.
         split_tokens: tokens per kernel program (rounded up to its tile); default: enough splits to fill the GPU.
 
     Returns:
         ``[B, H_q, T_q, D]`` in ``query``'s dtype.
     """
-    if not layer.is_initialized:
-        raise RuntimeError(f"layer {layer.layer_idx} holds no tokens yet")
-    if layer.holds_prerope_keys():
-        raise ValueError(f"layer {layer.layer_idx} stores keys before RoPE (prerope_keys), which the kernel cannot "
-                         "read: attend over layer.materialize() instead")
+    if any(seg.key_turn is not None for seg in read.segments):
+        raise ValueError("this layer stores keys before RoPE (prerope_keys), which the Triton kernel cannot read: "
+                         "attend over read.materialize() instead")
     _check_device(query)
-    if query.device != layer.device:
-        raise ValueError(f"query is on {query.device} but layer {layer.layer_idx} holds its cache on {layer.device}")
-    new = _check_inputs(layer, query, keys, values)
-    bias = _bias(attention_mask, query, layer.stored_tokens + new)
-    attn = _Attention(query, layer.num_heads, bias, query.shape[-1] ** -0.5 if scaling is None else scaling,
+    new = _check_inputs(read, query, keys, values)
+    bias = _bias(attention_mask, query, read.length + new)
+    attn = _Attention(query, read.num_heads, bias, query.shape[-1] ** -0.5 if scaling is None else scaling,
                       softcap, split_tokens)
-    pos = layer._sinks_k.shape[-2]
-    attn.dense(layer._sinks_k, layer._sinks_v, slice(0, pos))
-    overlay = None if layer._overlay_pos is None else layer._overlay_pos - layer.offset  # columns, ascending
-    for run in layer._runs:
-        cols = slice(pos, pos + run.length)
-        excluded = None if overlay is None else overlay[(overlay >= cols.start) & (overlay < cols.stop)] - pos
-        for part in run.parts:
-            attn.part(part, cols, excluded)
-        pos += run.length
-    attn.dense(*layer.window_tensors(), slice(pos, pos + layer._win_k.shape[-2]))
+    overlay = read.overlay_columns  # ascending
+    for seg in read.segments:
+        if seg.device != query.device:
+            raise ValueError(f"query is on {query.device} but the layer holds its cache on {seg.device}")
+        excluded = None
+        if overlay is not None:
+            excluded = overlay[(overlay >= seg.start) & (overlay < seg.stop)] - seg.start
+        attn.segment(seg, excluded)
     if overlay is not None and overlay.numel():
-        attn.dense(layer._overlay_k, layer._overlay_v, overlay)
+        attn.dense(read.overlay_keys, read.overlay_values, overlay)
     if new:
-        attn.dense(keys, values, slice(layer.stored_tokens, layer.stored_tokens + new))
+        attn.dense(keys, values, slice(read.length, read.length + new))
     return attn.result().to(query.dtype)
 
 
-def _check_inputs(layer: KVGuardLayer, query, keys, values) -> int:
+def _check_inputs(read: StoredRead, query, keys, values) -> int:
     """Validate shapes; the number of new tokens."""
-    b, h, d = layer.batch_size, layer.num_heads, layer.head_dim
+    b, h, d = read.batch, read.num_heads, read.head_dim
     if query.dim() != 4 or query.shape[0] != b or query.shape[-1] != d:
         raise ValueError(f"query must be [B={b}, H_q, T_q, D={d}], got {tuple(query.shape)}")
     if query.shape[1] % h:

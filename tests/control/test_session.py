@@ -89,7 +89,7 @@ def _corrupt_keys(cache, factor: float) -> int:
     """Scale every quantized key run by ``factor`` (what a bad scale write would do); returns the runs hit."""
     hit = 0
     for layer in cache.layers:
-        for run in layer._runs:
+        for run in layer.store.runs:
             for part in run.parts:
                 if part.layout.key_spec is not None:
                     part.keys.scale.mul_(factor)

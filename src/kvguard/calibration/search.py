@@ -363,7 +363,7 @@ class Searcher:
         ``<name> +pre`` (``+sb`` plans without the correction, which models post-RoPE keys): the same bytes, and the
         held-out KL decides. Only the plans on the frontier so far: on calibration text it lowered the KL of
         Gemma 3's frontier plans and of SmolLM2's with float16 scales, and raised it for SmolLM2's one-byte-scale,
-        8-bit-window plans (``benchmarks/prerope_keys.py``), so it is a measurement per plan; twins of the whole
+        8-bit-window plans (``benchmarks/prerope_keys.py``, in the history: commit 9242d86), so it is a measurement per plan; twins of the whole
         level would cost as many scoring passes again."""
         todo, seen = [], set()
         for c in candidates:
