@@ -61,8 +61,11 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=4096,
                    help="capacity: context of the peak-RSS run (default: %(default)s)")
     p.add_argument("--no-check", dest="check", action="store_false",
-                   help="capacity: skip the real --batch x --context prefill per method that checks the prediction "
-                        "(32k tokens at the defaults: minutes per method)")
+                   help="capacity: skip the real runs that check the prediction: --batch x --context per method, and "
+                        "the largest batch predicted for the --check-largest methods (minutes to an hour each)")
+    p.add_argument("--check-largest", default="fp16,int4",
+                   help="capacity: methods whose largest predicted batch at --context is run to check it, or 'none' "
+                        "(default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -149,8 +152,9 @@ def _capacity(args, names: list[str]) -> int:
 
     finite("--memory-budget", args.memory_budget, low=0.01)
     rows = capacity.run(args.model, names, budget_gib=args.memory_budget, contexts=tuple(csv(args.contexts, int)),
-                        batch=args.batch, context=args.context, check=args.check, profile_path=args.profile,
-                        device=args.device)
+                        batch=args.batch, context=args.context, check=args.check,
+                        largest=() if args.check_largest == "none" else tuple(csv(args.check_largest, str)),
+                        profile_path=args.profile, device=args.device)
     print(capacity.markdown_table(rows, args.memory_budget))
     if args.json:
         harness.write_json(args.json, {"model": args.model, "task": "capacity", "memory_budget_gib": args.memory_budget,

@@ -16,10 +16,13 @@ The prediction is arithmetic over measured quantities (:class:`Footprint`)::
   returns), measured as the chunk's RSS high-water mark minus model and stored cache, fitted over the chunks.
 
 Both are measured by :func:`probe` at a small batch and context (:data:`FIT_BATCH` x :data:`FIT_CONTEXT`), and
-the prediction is checked by a second :func:`probe` at the reported point (batch 8 x 4,096: there the KV cache
-dominates), whose peak RSS is the table's measured column (``kvguard eval --no-check`` skips it: at the defaults
-it prefills 32k tokens per method, minutes each on a few CPU cores). Prefill is chunked (:data:`CHUNK` tokens, only the
-last position's logits computed) so activations stay small, as a serving engine does.
+the prediction is checked twice, each time by really running it in a fresh process: at the reported point (batch 8 x
+4,096: there the KV cache dominates), whose peak RSS is the table's measured column, and at the largest batch the fit
+predicts for the budget (``largest``: ``fp16`` and ``int4`` by default), whose peak must lie under the budget and
+near the prediction (``kvguard eval --no-check`` skips both: they prefill hundreds of thousands of tokens, many
+minutes on a few CPU cores). Prefill is chunked (:data:`CHUNK` tokens, only the last position's logits computed) and
+reads the stored history through the reads' attention (:func:`kvguard.attention.fused_reads`: a tile of it at a
+time, never a copy of all of it), then :data:`DECODE_STEPS` decode steps run, as a serving engine does.
 
     python -m kvguard.evaluation.capacity --model smollm2-135m --method int4 --batch 2 --context 1024   # one JSON line
 
@@ -46,6 +49,7 @@ import torch
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 CHUNK = 256
+DECODE_STEPS = 64
 FIT_BATCH = 2
 FIT_CONTEXT = 1024
 DEFAULT_BUDGET_GIB = 4.0
@@ -146,10 +150,11 @@ class _Meter:
 
 @torch.no_grad()
 def probe(model_name: str, method_name: str, batch: int, context: int, *, chunk: int = CHUNK,
-          profile_path: str | None = None, device: str = "cpu") -> dict:
+          decode: int = DECODE_STEPS, profile_path: str | None = None, device: str = "cpu") -> dict:
     """Prefill ``batch`` sequences of ``context`` held-out tokens in ``chunk``-token pieces through the method's
-    cache; per chunk the tokens so far, the cache's stored bytes and the chunk's RSS high-water mark."""
-    from kvguard import data, models
+    cache, then ``decode`` greedy decode steps; per chunk the tokens so far, the cache's stored bytes and the chunk's
+    RSS high-water mark, and the high-water mark of the decode steps."""
+    from kvguard import attention, data, models
     from kvguard.evaluation import methods
     from kvguard.profile import Profile
 
@@ -168,15 +173,22 @@ def probe(model_name: str, method_name: str, batch: int, context: int, *, chunk:
     gc.collect()
     load_peak, model_rss = meter.peak(), meter.current()
     points = []
-    for start in range(0, context, chunk):
+    with attention.fused_reads(model):
+        for start in range(0, context, chunk):
+            meter.reset()
+            # logits_to_keep=1: the chunk's [B, chunk, vocab] logits would otherwise be the largest activation.
+            logits = model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1).logits
+            points.append([min(start + chunk, context), methods.kv_bytes(cache)[0], meter.peak()])
         meter.reset()
-        # logits_to_keep=1: the chunk's [B, chunk, vocab] logits would otherwise be the largest activation.
-        model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
-        points.append([min(start + chunk, context), methods.kv_bytes(cache)[0], meter.peak()])
+        for _ in range(decode):
+            token = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            logits = model(input_ids=token, cache=cache, use_cache=True).logits
+    decode_peak = meter.peak() if decode else 0
     stored, fp16 = methods.kv_bytes(cache)
-    return {"method": method_name, "batch": batch, "context": context, "chunk": chunk, "base_rss": base_rss,
-            "model_rss": model_rss, "load_peak": load_peak, "points": points, "kv_bytes": stored,
-            "kv_bytes_ratio": stored / fp16, "peak_rss": max(load_peak, max(p[2] for p in points))}
+    return {"method": method_name, "batch": batch, "context": context, "chunk": chunk, "decode": decode,
+            "base_rss": base_rss, "model_rss": model_rss, "load_peak": load_peak, "points": points,
+            "decode_peak": decode_peak, "kv_bytes": stored, "kv_bytes_ratio": stored / fp16,
+            "peak_rss": max(load_peak, decode_peak, max(p[2] for p in points))}
 
 
 def _page_in(model: torch.nn.Module) -> None:
@@ -188,10 +200,11 @@ def _page_in(model: torch.nn.Module) -> None:
 
 
 def probe_subprocess(model_name: str, method_name: str, batch: int, context: int, chunk: int,
-                   profile_path: str | None, device: str) -> dict:
+                     profile_path: str | None, device: str, decode: int = DECODE_STEPS) -> dict:
     """:func:`probe` in a fresh Python process (so its peak RSS is its own); ``{"error": ...}`` if it failed."""
     cmd = [sys.executable, "-m", "kvguard.evaluation.capacity", "--model", model_name, "--method", method_name,
-           "--batch", str(batch), "--context", str(context), "--chunk", str(chunk), "--device", device]
+           "--batch", str(batch), "--context", str(context), "--chunk", str(chunk), "--device", device,
+           "--decode", str(decode)]
     cmd += ["--profile", str(profile_path)] if profile_path else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0:
@@ -201,10 +214,12 @@ def probe_subprocess(model_name: str, method_name: str, batch: int, context: int
 
 def run(model_name: str, method_names: list[str], *, budget_gib: float = DEFAULT_BUDGET_GIB,
         contexts: tuple[int, ...] = (1024, 4096), batch: int = 8, context: int = 4096, chunk: int = CHUNK,
-        check: bool = True, profile_path: str | None = None, device: str = "cpu", progress: bool = True) -> list[dict]:
+        check: bool = True, largest: tuple[str, ...] = ("fp16", "int4"), profile_path: str | None = None,
+        device: str = "cpu", progress: bool = True) -> list[dict]:
     """Per method: the fit (a :data:`FIT_BATCH` x :data:`FIT_CONTEXT` probe), the largest batch at each of
     ``contexts`` within ``budget_gib``, and (``check``) the predicted against the measured peak of a real
-    ``batch`` x ``context`` prefill; ``peak_rss_ratio`` against ``fp16``."""
+    ``batch`` x ``context`` run; ``peak_rss_ratio`` against ``fp16``. For the methods in ``largest``, ``check`` also
+    runs the largest batch predicted at ``context`` and reports its measured peak (``largest_check``)."""
     from kvguard.device import name as device_name
 
     device = device_name(device)
@@ -229,10 +244,33 @@ def run(model_name: str, method_names: list[str], *, budget_gib: float = DEFAULT
                 row["check_error"] = measured["error"]
             base = base or row
             row["peak_rss_ratio"] = row["measured_peak_mb"] / base["measured_peak_mb"]
+            if name in largest:
+                if progress:
+                    print(f"[kvguard eval] capacity: {name}: the largest batch predicted, "
+                          f"{row['max_batch'][str(context)]} x {context}", file=sys.stderr, flush=True)
+                row["largest_check"] = largest_check(model_name, name, Footprint.from_probe(fit_row), budget, context,
+                                                     chunk, profile_path, device)
         if progress:  # each method's figures as they come: a long run interrupted still shows what it measured
             print(f"[kvguard eval] capacity: {json.dumps(row)}", file=sys.stderr, flush=True)
         rows.append(row)
     return rows
+
+
+def largest_check(model_name: str, method_name: str, fp: Footprint, budget: float, context: int, chunk: int,
+                  profile_path: str | None, device: str) -> dict:
+    """Run the largest batch ``fp`` predicts at ``context`` within ``budget`` in a fresh process: its measured peak
+    against the prediction and the budget (``within_budget``; ``error_pct``: measured over predicted, minus 1)."""
+    n = fp.max_batch(budget, context)
+    if n < 1:
+        return {"batch": 0, "error": "not even one sequence fits the budget"}
+    measured = probe_subprocess(model_name, method_name, n, context, chunk, profile_path, device)
+    if "error" in measured:
+        return {"batch": n, "error": measured["error"]}
+    predicted = fp.peak(n, context)
+    return {"batch": n, "predicted_mb": predicted / MIB, "measured_mb": measured["peak_rss"] / MIB,
+            "budget_mb": budget / MIB, "within_budget": measured["peak_rss"] <= budget,
+            "error_pct": 100 * (measured["peak_rss"] / predicted - 1),
+            "kv_mb": measured["kv_bytes"] / MIB, "model_rss_mb": measured["model_rss"] / MIB}
 
 
 def capacity_row(fp: Footprint, budget: float, contexts: tuple[int, ...], batch: int, context: int) -> dict:
@@ -273,6 +311,17 @@ def markdown_table(rows: list[dict], budget_gib: float) -> str:
             cells += ["", ""]
         cells.append(f"{r['kv_bytes_ratio']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
+    checks = [(r["method"], r["largest_check"]) for r in rows if "largest_check" in r]
+    if checks:
+        lines += ["", f"The largest batch predicted, run ({budget_gib:g} GiB budget):", "",
+                  "| method | batch | predicted peak MiB | measured peak MiB | measured / predicted | under the budget |",
+                  "|---|---|---|---|---|---|"]
+        for name, c in checks:
+            if "error" in c:
+                lines.append(f"| {name} | {c['batch']} | failed: {c['error']} | | | |")
+            else:
+                lines.append(f"| {name} | {c['batch']} | {c['predicted_mb']:.0f} | {c['measured_mb']:.0f} | "
+                             f"{1 + c['error_pct'] / 100:.3f} | {'yes' if c['within_budget'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -284,11 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--context", type=int, required=True)
     parser.add_argument("--chunk", type=int, default=CHUNK)
+    parser.add_argument("--decode", type=int, default=DECODE_STEPS, help="decode steps after the prefill")
     parser.add_argument("--profile", help="calibration profile (for the kvguard method)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: %(default)s)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(json.dumps(probe(args.model, args.method, args.batch, args.context, chunk=args.chunk,
+    print(json.dumps(probe(args.model, args.method, args.batch, args.context, chunk=args.chunk, decode=args.decode,
                            profile_path=args.profile, device=args.device)))
     return 0
 
