@@ -7,6 +7,7 @@ import torch
 from kvguard.architecture import Architecture
 from kvguard.backing import BackingConfig, BackingStore
 from kvguard.cache import KVGuardCache
+from kvguard.store import Store
 from kvguard.cache_layer import KVGuardLayer, KVGuardSlidingLayer
 from kvguard.config import CacheConfig, MonitorConfig
 from kvguard.control.events import describe
@@ -44,15 +45,17 @@ def _read(layer, positions: torch.Tensor):
 @pytest.mark.parametrize("precision", ["int8", "int4", "int2", ("int2", "fp16")])
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("fp_dtype", ["float16", "model"])
-def test_restore_gives_back_the_originals_bit_for_bit(precision, rotate, fp_dtype):
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_restore_gives_back_the_originals_bit_for_bit(precision, rotate, fp_dtype, tier):
     config = CacheConfig(residual=4, sinks=1, group_size=4, fp_dtype=fp_dtype)
-    layer = KVGuardLayer(precision, config, 0, BackingStore(ON))
+    store = BackingStore(BackingConfig(enabled=True, tier=tier))
+    layer = KVGuardLayer(precision, config, 0, store)
     layer.set_rotation(rotate, rotate)
     keys, values = _kv(dim=16)
     _stream(layer, keys[..., :20, :], values[..., :20, :])
     layer.set_precision("int4" if precision != "int4" else "int2")  # a second run, another layout
     _stream(layer, keys[..., 20:, :], values[..., 20:, :])
-    assert len(layer._runs) == 2
+    assert len(layer.store.runs) == 2
     pos = layer.quantized_positions()
     assert pos.numel() == 32 and layer.backed_positions().tolist() == pos.tolist()
     dtype = layer.fp_dtype
@@ -136,16 +139,16 @@ def test_batch_reorder_and_selection_keep_the_backing_aligned():
 
 
 def _record_stores(monkeypatch) -> dict:
-    """Record what every layer's ``_store`` receives: ``{layer: {position: (k [B, H, D], v)}}``."""
+    """Record what every layer's store quantizes: ``{layer: {position: (k [B, H, D], v)}}``."""
     seen: dict = {}
-    store = KVGuardLayer._store
+    encode = Store.encode
 
-    def recording(self, keys, values, first):
+    def recording(self, run, keys, values, first, observe=None):
         for i in range(keys.shape[-2]):
             seen.setdefault(self.layer_idx, {})[first + i] = (keys[..., i, :].clone(), values[..., i, :].clone())
-        store(self, keys, values, first)
+        encode(self, run, keys, values, first, observe)
 
-    monkeypatch.setattr(KVGuardLayer, "_store", recording)
+    monkeypatch.setattr(Store, "encode", recording)
     return seen
 
 
@@ -317,7 +320,7 @@ def test_reencoding_covers_what_the_backing_holds_and_respects_a_byte_limit():
     assert torch.equal(k_new[..., :20, :], k_old[..., :20, :])  # evicted history keeps its INT2 codes
     err = lambda k: float((k[..., idx, :] - keys[..., 21:33, :]).abs().max())
     assert err(k_new) < err(k_old) / 10
-    assert [run.length for run in layer._runs] == [20, 12]
+    assert [run.length for run in layer.store.runs] == [20, 12]
 
 
 def test_a_promotion_reencodes_the_history_within_the_saving_kept(monkeypatch):
@@ -349,7 +352,7 @@ def test_a_promotion_reencodes_the_history_within_the_saving_kept(monkeypatch):
     assert free.summary()["reencoded_positions"] == sum(e.reencoded for e in up)
     assert "positions of history re-encoded" in describe(up[0].to_json())
     for layer in free.cache.layers:  # every layer's whole history is INT4 now
-        assert {p.layout.precision.value for run in layer._runs for p in run.parts} == {"int4"}
+        assert {p.layout.precision.value for run in layer.store.runs for p in run.parts} == {"int4"}
     plan_bytes, fp16 = plan.kv_bytes(model.config, len(ids))
     budget = fp16 - 0.9 * (fp16 - plan_bytes)
     # The budget is kept at monitoring steps by promotions and demotions; the restored positions' overlay (capped
@@ -389,3 +392,73 @@ def test_the_prompt_check_promotes_and_reencodes_a_prefilled_prompt_before_the_f
                                            min_saving_kept=0.0, prompt_check=False))
     torch.testing.assert_close(off.prefill(ids), logits, atol=1e-4, rtol=0)
     assert off.counters.steps == 0 and off.state.tiers == off.state.floor
+
+
+# ------------------------------------------------------------------------------------------------ the disk tier
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_cpu_cache_keeps_its_originals_on_disk_not_in_its_resident_memory(tmp_path):
+    """The default tier of a CPU cache is a file under the directory asked for: 64 MiB of originals written there
+    leave the process's resident set where it was, its bytes count as disk, not RAM, and they read back exactly."""
+    store = BackingStore(BackingConfig(enabled=True, max_bytes=2**30, directory=str(tmp_path)))
+    g = torch.Generator().manual_seed(0)
+    block = (torch.randn(4, 8, 1024, 64, generator=g).half(), torch.randn(4, 8, 1024, 64, generator=g).half())  # 8 MiB
+    before = _rss()
+    for i in range(8):
+        store.put(0, 1024 * i, *block, group_size=32)
+    grew = _rss() - before
+    assert store.nbytes() == store.disk_nbytes() == 64 * 2**20 and store.ram_nbytes() == 0
+    assert grew < 8 * 2**20, f"the disk tier grew the resident set by {grew / 2**20:.1f} MiB"
+    found = store.restore(0, torch.arange(1024 * 5, 1024 * 5 + 40))
+    assert torch.equal(found.keys, block[0][..., :40, :]) and torch.equal(found.values, block[1][..., :40, :])
+    assert not list(tmp_path.iterdir())  # the file was unlinked when created: nothing is left behind
+
+
+def test_a_host_tier_counts_as_ram(tmp_path):
+    store = BackingStore(BackingConfig(enabled=True, tier="host"))
+    keys, values = _kv(tokens=8)
+    store.put(0, 0, keys.half(), values.half(), 4)
+    assert store.ram_nbytes() == store.nbytes() == 2 * keys.numel() * 2 and store.disk_nbytes() == 0
+
+
+def test_a_missing_or_read_only_directory_is_a_clear_error_when_the_cache_is_built(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        KVGuardCache(tiny_llama().config, "int4", SMALL,
+                     backing=BackingConfig(enabled=True, directory=str(tmp_path / "missing")))
+    with pytest.raises(PermissionError, match="cannot write in '/sys'"):  # read-only even for root
+        BackingStore(BackingConfig(enabled=True, tier="disk", directory="/sys"))
+    with pytest.raises(ValueError, match="tier has to be one of"):
+        BackingConfig(enabled=True, tier="tape")
+
+
+def test_a_full_disk_stops_keeping_originals_and_the_loop_recomputes_instead(tmp_path, monkeypatch):
+    """ENOSPC (injected: no test can fill a real disk here) warns once, keeps what was written, drops what
+    comes after, and the loop's compensation recomputes the positions the tier does not hold."""
+    import errno
+    import os as os_module
+
+    from kvguard import backing
+
+    model = tiny_llama()
+    cache = KVGuardCache(model.config, "int2", SMALL, backing=BackingConfig(enabled=True, directory=str(tmp_path)))
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids[:, :13], cache=cache, use_cache=True)
+    held = cache.layers[0].backed_positions().tolist()
+    assert held == list(range(1, 9))
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, os_module.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(backing.os, "pwritev", full)
+    with pytest.warns(RuntimeWarning, match="disk is full"), torch.no_grad():
+        model(input_ids=ids[:, 13:], cache=cache, use_cache=True)
+    assert cache.backing.failure is not None and cache.backing.dropped_tokens > 0
+    assert cache.layers[0].backed_positions().tolist() == held  # nothing lost, nothing new
+    positions = torch.tensor([2, 18])
+    restored, recomputed = restore_then_recompute(model, cache, ids[0].tolist(), [0, 1], positions, None)
+    assert (restored, recomputed) == (2, 2)  # position 2 from disk in both layers, 18 recomputed
+
