@@ -8,12 +8,17 @@ Layers follow the model's ``layer_types``: sliding-window layers (Gemma 3) get
 :class:`~kvguard.cache_layer.KVGuardSlidingLayer`, the others :class:`~kvguard.cache_layer.KVGuardLayer`.
 
 With ``backing=BackingConfig(enabled=True, max_bytes=...)`` the cache also keeps the full-precision originals
-of the tokens it quantizes in a bounded host-memory store (:mod:`kvguard.backing`); ``restore`` puts them back
-into a layer's overlay bit for bit, and ``backing_bytes`` reports the store apart from ``nbytes``.
+of the tokens it quantizes in a bounded store one level down (:mod:`kvguard.backing`: a file for a CPU cache,
+pinned host memory for one on an accelerator); ``restore`` puts them back into a layer's overlay bit for bit.
+
+**Every tier counted.** :meth:`KVGuardCache.memory` gives the bytes of each tier apart (:class:`MemoryUse`): the
+hot cache (sinks, codes, scales, window), the overlay, the backing tier in RAM and on disk. A byte resident in RAM
+is a byte used, whatever tier holds it: "memory saved" is ``1 - ram / fp16``, not ``1 - hot / fp16``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -27,6 +32,68 @@ from kvguard.precision import Precision
 from kvguard.rope import Rope
 
 PrecisionLike = "Precision | str | Sequence[Precision | str]"
+
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """The bytes a cache (or several) holds, tier by tier, against an FP16 cache of the same tokens.
+
+    Attributes:
+        hot: sinks, codes, scales, zero points, rotation signs, window: what attention reads every step.
+        overlay: full-precision K/V (and positions) that compensation wrote over codes.
+        backing_ram / backing_disk: the backing tier's originals, in memory / in its file.
+        fp16: what an FP16 cache of the same tokens would take.
+    """
+
+    hot: int = 0
+    overlay: int = 0
+    backing_ram: int = 0
+    backing_disk: int = 0
+    fp16: int = 0
+
+    @property
+    def kv(self) -> int:
+        """The cache's own tensors: hot plus overlay (``nbytes``)."""
+        return self.hot + self.overlay
+
+    @property
+    def ram(self) -> int:
+        """Every tier resident in RAM: hot, overlay and the backing tier's memory."""
+        return self.hot + self.overlay + self.backing_ram
+
+    def ratio(self, nbytes: int) -> float:
+        return nbytes / self.fp16 if self.fp16 else 1.0
+
+    @property
+    def saved(self) -> float:
+        """The memory saved against FP16, counting every tier in RAM."""
+        return 1.0 - self.ratio(self.ram)
+
+    def __add__(self, other: "MemoryUse") -> "MemoryUse":
+        return MemoryUse(self.hot + other.hot, self.overlay + other.overlay, self.backing_ram + other.backing_ram,
+                         self.backing_disk + other.backing_disk, self.fp16 + other.fp16)
+
+    def to_json(self) -> dict:
+        return {"hot_bytes": self.hot, "overlay_bytes": self.overlay, "backing_ram_bytes": self.backing_ram,
+                "backing_disk_bytes": self.backing_disk, "kv_bytes": self.kv, "ram_bytes": self.ram,
+                "fp16_bytes": self.fp16,
+                "kv_bytes_ratio": self.ratio(self.kv), "ram_bytes_ratio": self.ratio(self.ram),
+                "disk_bytes_ratio": self.ratio(self.backing_disk), "memory_saved": self.saved}
+
+    def describe(self) -> str:
+        """One line: each tier in MiB, RAM against FP16, and the disk tier apart."""
+        text = f"hot {self.hot / MIB:.1f} MiB"
+        if self.overlay:
+            text += f" + overlay {self.overlay / MIB:.2f} MiB"
+        if self.backing_ram:
+            text += f" + originals in RAM {self.backing_ram / MIB:.1f} MiB"
+        text += f" = {self.ram / MIB:.1f} MiB in RAM, {self.ratio(self.ram):.3f} of FP16's {self.fp16 / MIB:.1f} MiB"
+        if self.backing_disk:
+            text += f"; originals on disk {self.backing_disk / MIB:.1f} MiB"
+        return text
 
 
 class KVGuardCache(Cache):
@@ -101,6 +168,13 @@ class KVGuardCache(Cache):
         if layer is not None:
             return self._layer(layer).backing_nbytes()
         return 0 if self.backing is None else self.backing.nbytes()
+
+    def memory(self) -> MemoryUse:
+        """The bytes of every tier this cache holds (:class:`MemoryUse`)."""
+        overlay = sum(l.overlay_nbytes() for l in self.layers)
+        ram = 0 if self.backing is None else self.backing.ram_nbytes()
+        disk = 0 if self.backing is None else self.backing.disk_nbytes()
+        return MemoryUse(self.nbytes() - overlay, overlay, ram, disk, self.fp16_nbytes())
 
     def nbytes(self, layer: int | None = None) -> int:
         """Measured bytes of every stored tensor, for one layer or the whole cache (the hot tier: the backing

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvguard.cli.common import CommandError, add_device, add_model, device, fmt_bytes, writable_file
+from kvguard.cli.common import CommandError, add_device, add_model, device, writable_file
 from kvguard.control.sampling import Sampler
 
 
@@ -83,9 +83,13 @@ def token_printer(tok):
 
 def print_summary(summary: dict) -> None:
     """Memory saved, alarms, compensation and the rollback level of a session's summary."""
+    from kvguard.cache import MemoryUse
+
     a, acts = summary["alarms"], summary["actions"]
-    print(f"memory: KV cache {fmt_bytes(summary['kv_bytes'])} vs {fmt_bytes(summary['kv_bytes_fp16'])} in FP16: "
-          f"{100 * summary['memory_saved']:.1f} % saved")
+    memory = MemoryUse(*(summary["memory"][k] for k in ("hot_bytes", "overlay_bytes", "backing_ram_bytes",
+                                                          "backing_disk_bytes", "fp16_bytes")))
+    print(f"memory: {memory.describe()}: {100 * summary['memory_saved']:.1f} % saved, every tier in RAM counted "
+          f"(held over the run: {summary['held_ram_ratio']:.3f} of FP16)")
     print(f"monitor: {summary['monitoring_steps']} steps, trigger rate {100 * summary['trigger_rate']:.1f} %; alarms: "
           f"{a['warning']} warning, {a['trigger']} trigger, {a['severe']} severe")
     print(f"compensation: {acts.get('light', 0)} light, {acts.get('heavy', 0)} heavy, "

@@ -32,6 +32,8 @@ class Event:
     ms: float = 0.0
     restored: int | None = None  # compensation with a backing tier: (layer, position) pairs restored exactly
     reencoded: int | None = None  # promotion with a backing tier: history positions stored again at the new tier
+    restore_ms: float | None = None  # with a backing tier: time spent reading originals back from it
+    ram_delta: int | None = None  # bytes in RAM (every tier) the action added (negative: freed)
     previous_level: int | None = None
     precision: tuple[str, ...] | None = None
     cooldown_steps: int | None = None
@@ -46,6 +48,8 @@ class Event:
             if out.get(name) is not None:
                 out[name] = list(out[name])
         out["ms"] = round(self.ms, 3)
+        if self.restore_ms is not None:
+            out["restore_ms"] = round(self.restore_ms, 3)
         return out
 
 
@@ -117,12 +121,17 @@ def describe(record: dict) -> str:
     if record.get("positions"):
         restored = record.get("restored")
         how = f"compensated, {restored} (layer, position) pairs restored exactly" if restored else "recomputed"
-        text += f": {record['positions']} positions {how} ({record.get('ms', 0):.0f} ms)"
+        text += f": {record['positions']} positions {how} ({record.get('ms', 0):.0f} ms"
+        if record.get("restore_ms") is not None and restored:
+            text += f", {record['restore_ms']:.1f} ms reading originals"
+        text += ")"
     if record.get("precision"):
         tiers = sorted(set(record["precision"]))
         text += f": now {'/'.join(tiers)}"
         if record.get("reencoded"):
             text += f", {record['reencoded']} positions of history re-encoded from the backing tier"
+    if record.get("ram_delta"):
+        text += f"; {record['ram_delta'] / 2**20:+.2f} MiB in RAM"
     previous = record.get("previous_level")
     if previous is not None and previous != record["level"]:
         text += f"; rollback level {previous} -> {record['level']}"

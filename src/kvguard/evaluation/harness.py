@@ -30,7 +30,7 @@ class Row:
     # "simulated" (parallel passes, exact chunk-1 semantics), "streamed", "live" (feedback loop), or "llama.cpp"
     mode: str
     kv_bytes: int | None = None
-    kv_bytes_ratio: float | None = None
+    kv_bytes_ratio: float | None = None  # the cache's own tensors (hot tier and overlay) at the end of the text
     ppl: float | None = None
     ppl_delta_pct: float | None = None
     kl: float | None = None
@@ -38,6 +38,8 @@ class Row:
     tok_s: float | None = None
     trigger_rate: float | None = None
     recompute_fraction: float | None = None
+    ram_bytes_ratio: float | None = None  # every tier resident in RAM (the live loop: averaged over the run)
+    disk_bytes_ratio: float | None = None  # the backing tier on disk (the live loop: averaged over the run)
     error: str | None = None
 
 
@@ -131,6 +133,7 @@ def _score(model, ids, method, simulated: bool, chunk: int, reference, corpus: s
         score = score_live(session, ids, reference=reference, keep_logits=keep, progress=progress, desc=method.name)
         row.trigger_rate = session.trigger_rate
         row.recompute_fraction = session.recompute_fraction()
+        row.ram_bytes_ratio, row.disk_bytes_ratio = session.held_ratios()
         return score, session.cache.nbytes(), session.cache.fp16_nbytes()
     if simulated and not method.chunk_invariant:
         plan = method.plan(Architecture.from_config(model.config))
@@ -173,7 +176,7 @@ def combine_windows(windows: list[list[Row]]) -> list[Row]:
             row.kl = sum(r.kl for r in rows) / n
             row.top1_agree = sum(r.top1_agree for r in rows) / n
             row.tok_s = sum(r.tok_s for r in rows) / n if all(r.tok_s for r in rows) else None
-            for name in ("trigger_rate", "recompute_fraction"):
+            for name in ("trigger_rate", "recompute_fraction", "ram_bytes_ratio", "disk_bytes_ratio"):
                 values = [getattr(r, name) for r in rows]
                 if all(v is not None for v in values):
                     setattr(row, name, sum(values) / n)
@@ -184,6 +187,8 @@ def combine_windows(windows: list[list[Row]]) -> list[Row]:
 def _fill(row: Row, score: StreamScore, stored: int, fp16: int) -> None:
     row.kv_bytes = stored
     row.kv_bytes_ratio = stored / fp16 if fp16 else None
+    if row.ram_bytes_ratio is None:  # a static cache: nothing beyond its own tensors, nothing on disk
+        row.ram_bytes_ratio, row.disk_bytes_ratio = row.kv_bytes_ratio, 0.0
     row.ppl = score.perplexity
     row.kl = score.kl
     row.top1_agree = score.top1_agree
@@ -196,17 +201,20 @@ def _fmt(value, spec: str) -> str:
 
 def markdown_table(rows: list[Row]) -> str:
     """The rows as a markdown table (what ``kvguard eval`` prints)."""
-    head = "| corpus | method | mode | kv_bytes_ratio | ppl | ppl_delta_pct | kl | top1_agree | tok_s | trigger_rate | recompute_fraction |"
+    head = ("| corpus | method | mode | kv_bytes_ratio | ram_bytes_ratio | disk_bytes_ratio | ppl | ppl_delta_pct | kl "
+            "| top1_agree | tok_s | trigger_rate | recompute_fraction |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     notes: list[str] = []
     for r in rows:
         if r.error:
             if r.error not in notes:
                 notes.append(r.error)
-            lines.append(f"| {r.corpus} | {r.method} | {r.mode} | unsupported [{notes.index(r.error) + 1}] | | | | | | | |")
+            lines.append(f"| {r.corpus} | {r.method} | {r.mode} | unsupported [{notes.index(r.error) + 1}] |"
+                         + " |" * (head.count("|") - 5))
             continue
         lines.append(
-            f"| {r.corpus} | {r.method} | {r.mode} | {_fmt(r.kv_bytes_ratio, '.3f')} | {_fmt(r.ppl, '.3f')} | "
+            f"| {r.corpus} | {r.method} | {r.mode} | {_fmt(r.kv_bytes_ratio, '.3f')} | {_fmt(r.ram_bytes_ratio, '.3f')} | "
+            f"{_fmt(r.disk_bytes_ratio, '.3f')} | {_fmt(r.ppl, '.3f')} | "
             f"{_fmt(r.ppl_delta_pct, '+.2f')} | {_fmt(r.kl, '.5f')} | {_fmt(r.top1_agree, '.4f')} | "
             f"{_fmt(r.tok_s, '.1f')} | {_fmt(r.trigger_rate, '.4f')} | {_fmt(r.recompute_fraction, '.4f')} |"
         )

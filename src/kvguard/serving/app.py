@@ -106,6 +106,7 @@ def _finish(engine: Engine, job: Job, endpoint: str, status: str, done: dict | N
     if summary:
         record.update(finish_reason=done["finish_reason"], kv_bytes=summary["kv_bytes"],
                       kv_bytes_fp16=summary["kv_bytes_fp16"], memory_saved=round(summary["memory_saved"], 4),
+                      memory=summary["memory"],
                       trigger_rate=round(summary["trigger_rate"], 4), max_level=summary["max_level"],
                       actions=summary["actions"], recomputed_positions=summary["recomputed_positions"])
     engine.log(record)
@@ -119,8 +120,8 @@ def _usage(job: Job, completion_tokens: int) -> dict:
 def _kvguard_block(summary: dict | None) -> dict | None:
     if not summary:
         return None
-    return {k: summary[k] for k in ("kv_bytes", "kv_bytes_fp16", "memory_saved", "trigger_rate", "max_level",
-                                    "recomputed_positions", "actions")}
+    return {k: summary[k] for k in ("kv_bytes", "kv_bytes_fp16", "memory_saved", "memory", "trigger_rate",
+                                    "max_level", "recomputed_positions", "actions")}
 
 
 async def _generate(request: Request, endpoint: str):

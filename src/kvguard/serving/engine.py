@@ -204,9 +204,11 @@ class Engine:
     def _publish_live(self) -> None:
         snaps = [j.snapshot for j in list(self.jobs.values()) if j.snapshot]
         m = self.metrics
+        memory = _memory(snaps)
+        for tier in _TIERS:
+            m.tier_bytes.labels(tier).set(memory.get(f"{tier}_bytes", 0))
         if snaps:
-            stored = sum(s["kv_bytes"] for s in snaps)
-            fp16 = sum(s["kv_bytes_fp16"] for s in snaps)
+            stored, ram, fp16 = memory["kv_bytes"], memory["ram_bytes"], memory["fp16_bytes"]
             m.kv_bytes.set(stored)
             m.kv_fp16.set(fp16)
             m.level.set(max(s["level"] for s in snaps))
@@ -216,9 +218,10 @@ class Engine:
             m.level.set(0)
             last = self.last_summary
             stored, fp16 = (last["kv_bytes"], last["kv_bytes_fp16"]) if last else (0, 0)
+            ram = last["memory"]["ram_bytes"] if last else 0
         if stored:
             m.ratio.set(fp16 / stored)
-            m.saved.set(1 - stored / fp16)
+            m.saved.set(1 - ram / fp16)
 
     # ------------------------------------------------------------------ reporting
     def log(self, record: dict) -> None:
@@ -250,8 +253,9 @@ class Engine:
             "recalibration_recommended": m.recalibration_recommended,
             "kv_bytes": stored,
             "kv_bytes_fp16": fp16,
+            "memory": _memory([s for _, s in jobs]),
             "last_request": self.last_summary and {k: self.last_summary[k] for k in
-                                                   ("tokens", "kv_bytes", "kv_bytes_fp16", "memory_saved",
+                                                   ("tokens", "kv_bytes", "kv_bytes_fp16", "memory_saved", "memory",
                                                     "trigger_rate", "level", "max_level", "precisions")},
             "recent_events": list(self.recent_events),
             "torch_threads": self.torch_threads,
@@ -262,4 +266,17 @@ class Engine:
 def _snapshot(session) -> dict:
     s = session.summary()
     return {"tokens": s["tokens"], "kv_bytes": s["kv_bytes"], "kv_bytes_fp16": s["kv_bytes_fp16"],
-            "level": s["level"], "trigger_rate": s["trigger_rate"], "precisions": s["precisions"]}
+            "memory": s["memory"], "level": s["level"], "trigger_rate": s["trigger_rate"],
+            "precisions": s["precisions"]}
+
+
+_TIERS = ("hot", "overlay", "backing_ram", "backing_disk")
+
+
+def _memory(snaps: list[dict]) -> dict:
+    """The requests' bytes summed tier by tier (``hot_bytes`` ... ``ram_bytes``, ``fp16_bytes``), and the share
+    of FP16's bytes saved counting every tier in RAM."""
+    keys = [f"{t}_bytes" for t in _TIERS] + ["kv_bytes", "ram_bytes", "fp16_bytes"]
+    total = {k: sum(s["memory"][k] for s in snaps) for k in keys}
+    total["memory_saved"] = 1 - total["ram_bytes"] / total["fp16_bytes"] if total["fp16_bytes"] else 0.0
+    return total

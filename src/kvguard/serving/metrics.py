@@ -37,7 +37,10 @@ class Metrics:
         self.ratio = Gauge("kvguard_kv_compression_ratio",
                            "FP16 bytes / stored bytes of the requests in flight (the last request's when idle)",
                            registry=r)
-        self.saved = Gauge("kvguard_kv_memory_saved_ratio", "1 - stored / FP16 bytes, on the same basis", registry=r)
+        self.saved = Gauge("kvguard_kv_memory_saved_ratio", "1 - bytes in RAM (every tier) / FP16 bytes, on the same "
+                           "basis", registry=r)
+        self.tier_bytes = Gauge("kvguard_kv_tier_bytes", "Bytes the requests in flight hold, by tier (hot cache, "
+                                "overlay, backing tier in RAM and on disk)", ["tier"], registry=r)
         self.kv_bytes_total = Counter("kvguard_kv_bytes", "Final KV-cache bytes of finished requests, summed",
                                       registry=r)
         self.kv_fp16_total = Counter("kvguard_kv_fp16_bytes", "FP16-equivalent bytes of finished requests, summed",

@@ -35,8 +35,8 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 <p id="problem" hidden></p>
 <form id="keyform" hidden>API key: <input id="key" type="password" size="30" autocomplete="off"> <button>use</button></form>
 <div class="tiles">
-  <div class="tile"><div class="value" id="saved">–</div><div class="label">KV memory saved against FP16
-    (<span id="saved-basis">–</span>)</div></div>
+  <div class="tile"><div class="value" id="saved">–</div><div class="label">KV memory saved against FP16, every
+    tier in RAM counted (<span id="saved-basis">–</span>)<br><span id="tiers">–</span></div></div>
   <div class="tile" id="rate-tile"><div class="value" id="rate">–</div>
     <div class="label">trigger rate; ceiling <span id="ceiling">–</span></div>
     <div class="bar" id="rate-bar"><div class="fill" id="rate-fill"></div><div class="line" id="rate-line"></div></div></div>
@@ -70,12 +70,16 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
       body.appendChild(tr);
     });
   }
+  function mib(bytes) { return (bytes / 1048576).toFixed(1) + " MiB"; }
   function show(s) {
     set("model", "— " + s.model); problem.hidden = true;
     var live = s.kv_bytes_fp16 > 0, last = s.last_request;
-    var saved = live ? 1 - s.kv_bytes / s.kv_bytes_fp16 : (last ? last.memory_saved : null);
+    var saved = live ? s.memory.memory_saved : (last ? last.memory_saved : null);
     set("saved", saved === null ? "–" : pct(saved));
     set("saved-basis", live ? "requests in flight" : (last ? "last request" : "no request yet"));
+    var m = live ? s.memory : (last ? last.memory : null);
+    set("tiers", m ? "hot " + mib(m.hot_bytes) + ", overlay " + mib(m.overlay_bytes) + ", originals in RAM " +
+        mib(m.backing_ram_bytes) + ", on disk " + mib(m.backing_disk_bytes) : "–");
     set("rate", pct(s.trigger_rate)); set("ceiling", pct(s.max_trigger_rate));
     var over = s.trigger_rate > s.max_trigger_rate, scale = Math.max(2 * s.max_trigger_rate, s.trigger_rate);
     document.getElementById("rate-fill").style.width = (100 * s.trigger_rate / scale) + "%";
