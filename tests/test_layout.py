@@ -1,6 +1,7 @@
 """The house rules that a grep could check, checked: layering, function length, module names."""
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import kvguard
 ROOT = Path(kvguard.__file__).parent
 CORE = ("precision", "packing", "quantizer", "config", "plan", "cache_layer", "cache", "fp8", "per_token_head",
         "simulate", "entropy", "profile", "models", "data", "assets", "architecture", "attention", "atomic", "rotation",
-        "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope")
+        "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope", "store",
+        "stored_read", "overlay", "rows", "chunk_attention", "packed")
 STAGES = ("calibration", "control", "evaluation", "serving")
 MAX_FUNCTION_LINES = 80
 
@@ -34,6 +36,26 @@ def test_the_root_shows_the_core_and_the_four_stages():
     names = {p.stem for p in ROOT.glob("*.py")} - {"__init__", "__main__"}
     assert names == set(CORE)
     assert {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} == {*STAGES, "cli"}
+
+
+def test_the_stored_format_has_one_reader_seam():
+    """Every reader of the stored K/V (the kernels, the chunked read, the simulation) takes a StoredRead; only the
+    layer and the simulation build stores, and nothing anywhere (benchmarks and tests included) reaches into the
+    store's or the layer's private layout state."""
+    readers = ("fused_attention.py", "chunk_attention.py", "triton_attention.py", "stored_read.py")
+    for name in readers:
+        imported = _imports(ast.parse((ROOT / name).read_text()))
+        assert not {m for m in imported if m == "kvguard.store" or m.startswith(("kvguard.store.", "kvguard.cache_layer"))}, name
+    builders = {p.relative_to(ROOT).as_posix() for p, t in _modules()
+                if any(m == "kvguard.store" or m.startswith("kvguard.store.") for m in _imports(t))}
+    assert builders <= {"cache_layer.py", "simulate.py", "plan.py"}, builders
+    private = re.compile(r"\._runs\b|\b_Part(Layout)?\b|\._(sinks|win)_[kv]\b|\._overlay_(pos|k|v)\b|\._store\(|"
+                         r"\._layout\(|\b_quantized_copy\b|\._encode_into\(|\._win_scale\b|\._rope_rows\b")
+    repo = ROOT.parent.parent
+    offenders = [f"{path.relative_to(repo)}: {m.group(0)}" for folder in ("src", "tests", "benchmarks")
+                 for path in sorted((repo / folder).rglob("*.py")) if path.name not in ("test_layout.py", "store.py")
+                 for m in private.finditer(path.read_text())]
+    assert offenders == []
 
 
 def test_nothing_at_run_time_imports_calibration():

@@ -15,12 +15,13 @@ Three parts of kvguard need to be inside the attention of a transformers model: 
   reads: ``0`` where a query may attend, the dtype's minimum where not. Without a mask function of its own an
   attention function receives no causal mask at all.
 
-- :func:`fused_reads` lets KVGuard cache layers defer a decode step's read: the layer's ``update`` returns only
-  the new K/V and hands :func:`defer_read` a :class:`~kvguard.fused_attention.StoredRead` of its stored past;
-  the attention function, called next with those very key tensors (matched by identity, so a read can never
-  reach another layer's attention), computes attention over both with :func:`kvguard.fused_attention.attend`,
-  which reads the codes without dequantizing them into a tensor. Layers defer only while no hook is active
-  (hooks read full K/V), and a deferred read that no attention call took is an error at the next one, not a
+- :func:`fused_reads` lets KVGuard cache layers defer their read: the layer's ``update`` returns only the new K/V
+  and hands :func:`defer_read` a :class:`~kvguard.stored_read.StoredRead` of its stored past; the attention
+  function, called next with those very key tensors (matched by identity, so a read can never reach another
+  layer's attention), computes attention over both with :func:`kvguard.fused_attention.attend`, which reads the
+  codes in C++ for a decode step and a bounded tile of dequantized history at a time for a longer chunk, never a
+  copy of the whole history. Layers defer only while no hook is active that reads full K/V, and a deferred
+  read that no attention call took is an error at the next one, not a
   silent attention over the new tokens alone.
 
 A hook is called as ``hook(module, query, key, value, attention_mask, scaling=..., softcap=...)`` with
@@ -67,10 +68,11 @@ class _PendingRead:
     """The read a cache layer's update deferred to this thread's next attention call."""
 
     key: torch.Tensor  # the new keys the update returned: the attention call must receive these very tensors
-    read: "fused_attention.StoredRead"
+    read: "StoredRead"
 
 
 _PENDING: contextvars.ContextVar[_PendingRead | None] = contextvars.ContextVar("kvguard_pending_read", default=None)
+_PACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvguard_packed_reads", default=False)
 # The implementation each installed model had before, by ``id`` of its config (which every attention module
 # shares; configs are unhashable), forgotten when the config is collected.
 _ORIGINAL: dict[int, str] = {}
@@ -127,7 +129,7 @@ def install(model) -> None:
 def hooked(model, hook: AttentionHook, *, takes_reads: bool = False):
     """Within this block (and this thread), ``model``'s attention calls ``hook``. With ``takes_reads`` the hook
     also accepts deferred reads (see :func:`fused_reads`): it is then called with ``read=`` a
-    :class:`~kvguard.fused_attention.StoredRead` and only the new tokens as ``key`` / ``value``."""
+    :class:`~kvguard.stored_read.StoredRead` and only the new tokens as ``key`` / ``value``."""
     install(model)
     token = _HOOK.set(hook)
     reads = _HOOK_TAKES_READS.set(takes_reads)
@@ -144,15 +146,29 @@ def active_hook() -> AttentionHook | None:
 
 @contextlib.contextmanager
 def fused_reads(model):
-    """Within this block (and this thread), KVGuard cache layers hand decode steps (at most
-    ``fused_attention.MAX_QUERY`` new tokens) to the fused decode attention instead of materializing their past,
-    unless a hook that does not take reads is active (those read the full K/V)."""
+    """Within this block (and this thread), KVGuard cache layers hand their reads to the reads' attention
+    (:func:`kvguard.fused_attention.attend`) instead of materializing their past, unless a hook that does not take
+    reads is active (those read the full K/V)."""
     install(model)
     token = _FUSED.set(True)
     try:
         yield
     finally:
         _FUSED.reset(token)
+        _PENDING.set(None)
+
+
+@contextlib.contextmanager
+def packed_reads(model):
+    """Within this block (and this thread), ``model``'s forward runs over a packed row of several sequences
+    (:mod:`kvguard.packed`): no mask is built over the row, and each layer's attention takes the
+    :class:`~kvguard.packed.PackedRead` its cache deferred."""
+    install(model)
+    token = _PACKED.set(True)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
         _PENDING.set(None)
 
 
@@ -163,7 +179,7 @@ def fused_reads_active() -> bool:
 
 def defer_read(key: torch.Tensor, read) -> None:
     """Called by a cache layer's ``update`` that returned only the new ``key`` / value: the next attention call
-    with that ``key`` attends over ``read`` (a :class:`~kvguard.fused_attention.StoredRead`) followed by it."""
+    with that ``key`` attends over ``read`` (a :class:`~kvguard.stored_read.StoredRead`) followed by it."""
     if _PENDING.get() is not None:
         raise RuntimeError("a cache layer deferred its read but no attention call took it: the model's attention "
                            f"does not run through kvguard's harness (set_attn_implementation({ATTN_NAME!r}))")
@@ -189,6 +205,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                                f"cache returned, so its deferred read cannot be matched")
         _PENDING.set(None)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if not isinstance(pending.read, fused_attention.StoredRead):  # a packed row: each sequence on its own
+            out = pending.read.attend(module, query, key, value, scaling=scaling, softcap=softcap)
+            return out.transpose(1, 2).contiguous(), None
         hook = _HOOK.get()
         if hook is None:
             out = fused_attention.attend(query, pending.read, key, value, attention_mask, scaling=scaling, softcap=softcap)
@@ -206,6 +225,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 
 def _mask(*args, config=None, **kwargs):
+    if _PACKED.get():
+        return None  # a packed row's attention masks each sequence itself
     if _HOOK.get() is not None or config is None:
         return eager_mask(*args, config=config, **kwargs)
     return ALL_MASK_ATTENTION_FUNCTIONS[_original(config)](*args, config=config, **kwargs)

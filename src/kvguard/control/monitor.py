@@ -165,13 +165,20 @@ class _LiveHook:
         hkv = key.shape[1]
         rep = hq // hkv
         layer = module.layer_idx
-        if read is not None:  # a deferred read: the fused kernels attend, and give the probabilities too
-            out, probs = fused_attention.attend_with_probs(query, read, key, value, attention_mask,
-                                                           scaling=scaling, softcap=softcap)
-            if t == 1 and bool(self.monitor.observed[layer]):
-                self._observe(layer, probs.view(b, hkv, rep, -1))
-            return out
-        if t != 1 or not bool(self.monitor.observed[layer]):
+        observed = t == 1 and bool(self.monitor.observed[layer])
+        if read is not None:  # a deferred read of the stored past
+            if t <= fused_attention.MAX_QUERY and fused_attention.available(query.device):
+                # The fused kernels attend, and give the probabilities too.
+                out, probs = fused_attention.attend_with_probs(query, read, key, value, attention_mask,
+                                                               scaling=scaling, softcap=softcap)
+                if observed:
+                    self._observe(layer, probs.view(b, hkv, rep, -1))
+                return out
+            if not observed:
+                return fused_attention.attend(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)
+            past_k, past_v = read.materialize(key.dtype, key.device)  # one token to watch, and no kernels
+            key, value = torch.cat([past_k, key], dim=-2), torch.cat([past_v, value], dim=-2)
+        if not observed:
             mask = None if attention_mask is None else attention_mask[..., : key.shape[2]]
             return attention.attend(query, key, value, mask, scaling=scaling, softcap=softcap,
                                     is_causal=mask is None and t > 1)
@@ -204,6 +211,11 @@ def _read_error(cache_layer, first: int, n: int) -> torch.Tensor | None:
     # This token pushed a group out of the window: the read still saw it at full precision.
     end = max(first, cache_layer.read_fp_from)
     return torch.cat([buffer[:, first:end], buffer.new_zeros(buffer.shape[0], first + n - end, 2)], dim=1)
+
+
+def live_hook(monitor: TokenMonitor, cache):
+    """The monitor's attention for one sequence's slice of a packed forward (:class:`kvguard.packed.Piece`)."""
+    return _LiveHook(monitor, cache)
 
 
 @contextlib.contextmanager

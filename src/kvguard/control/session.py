@@ -35,7 +35,7 @@ from kvguard.backing import BackingConfig
 from kvguard.config import MonitorConfig
 from kvguard.control import decoding
 from kvguard.control.events import Counters, Event, StepRecord
-from kvguard.control.monitor import TokenMonitor, live_attention
+from kvguard.control.monitor import TokenMonitor, live_attention, live_hook
 from kvguard.control.policy import Action, Decision, PolicyState, Window, decide
 from kvguard.control.recompute import restore_then_recompute, select_positions
 from kvguard.control.risk import RiskClassifier
@@ -97,6 +97,7 @@ class LiveSession:
         self.rolled_back_at: int | None = None
         self._since_step = 0
         self._plan_costs = plan.history_costs(model.config, scales)  # what the plan stores, for the memory budget
+        self._held = (0, 0, 0)  # sums over the tokens fed of the bytes in RAM, on disk, and FP16's
 
     @classmethod
     def from_profile(cls, model, profile, plan: Plan | None = None, *, monitor_overrides: dict | None = None,
@@ -152,7 +153,29 @@ class LiveSession:
         ``refresh_tokens`` tokens; ``prompt``: the last token of a prefilled prompt, checked at once)."""
         ids = torch.tensor([[int(token)]], device=self.model.device)
         logits = self._forward(ids)[0, -1].float()
+        self.fed_token(token, prompt=prompt)
+        return logits
+
+    # ---------------------------------------------------------------- in a packed forward (kvguard.packed)
+    def piece(self, ids: torch.Tensor):
+        """This sequence's share of a packed forward feeding ``ids`` ``[n]`` (a server batching many sequences):
+        its cache, and the monitor's attention when the loop is on. After the forward, say what was fed:
+        :meth:`fed_prompt` for a prompt chunk, :meth:`fed_token` for a decoded token (or a prompt's last)."""
+        from kvguard.packed import Piece
+
+        return Piece(self.cache, torch.as_tensor(ids).reshape(-1),
+                     live_hook(self.monitor, self.cache) if self.enabled else None)
+
+    def fed_prompt(self, ids) -> None:
+        """A packed forward fed these prompt tokens (all but the prompt's last): nothing to watch in them, as in
+        :meth:`prefill`."""
+        self.ids.extend(int(t) for t in torch.as_tensor(ids).reshape(-1).tolist())
+
+    def fed_token(self, token: int, *, prompt: bool = False) -> None:
+        """A forward fed ``token`` alone: the run's byte count and, with the loop on, the monitor's window and a
+        monitoring step when one is due (``prompt``: the prompt's last token, the prompt check)."""
         self.ids.append(int(token))
+        self._hold()
         if self.enabled:
             self.monitor.end_token()
             self._since_step += 1
@@ -160,7 +183,6 @@ class LiveSession:
             if due and self.length >= self.start_step:
                 self._since_step = 0
                 self._monitoring_step(prompt)
-        return logits
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, *, sampler: Sampler = GREEDY,
                  eos_token_id: int | None = None, on_token: Callable[[int], bool | None] | None = None,
@@ -209,6 +231,7 @@ class LiveSession:
 
     def _carry_out(self, decision: Decision, window: Window, entropy: torch.Tensor) -> None:
         t0 = time.perf_counter()
+        ram_before, restore_before = self.cache.memory().ram, self._restore_seconds()
         positions, restored, reencoded = 0, None, None
         c = self.counters
         if decision.action.recomputes:
@@ -229,8 +252,13 @@ class LiveSession:
         ms = 1000 * (time.perf_counter() - t0)
         if decision.action.recomputes:
             c.recompute_ms += ms
-        self._event(decision, window, entropy, positions, ms, restored if self.cache.backing is not None else None,
-                    reencoded)
+        backed = self.cache.backing is not None
+        restore_ms = 1000 * (self._restore_seconds() - restore_before) if backed else None
+        self._event(decision, window, entropy, positions, ms, restored if backed else None, reencoded, restore_ms,
+                    self.cache.memory().ram - ram_before)
+
+    def _restore_seconds(self) -> float:
+        return sum(layer.restore_seconds for layer in self.cache.layers)
 
     def _reencode(self, layers: tuple[int, ...]) -> int | None:
         """Store the promoted ``layers``' history again at their new tiers from the backing tier's originals, while
@@ -292,7 +320,8 @@ class LiveSession:
 
     # ---------------------------------------------------------------- log and summary
     def _event(self, decision: Decision, window: Window, entropy: torch.Tensor, positions: int, ms: float,
-               restored: int | None = None, reencoded: int | None = None) -> None:
+               restored: int | None = None, reencoded: int | None = None, restore_ms: float | None = None,
+               ram_delta: int | None = None) -> None:
         layers = decision.layers
         drop = [window.drop[l] for l in layers]
         baseline = [float(entropy[l]) / max(1e-6, 1 - d) if d < 1 else None for l, d in zip(layers, drop)]
@@ -303,7 +332,8 @@ class LiveSession:
             baseline=tuple(None if b is None else round(b, 5) for b in baseline),
             drop=tuple(round(d, 5) for d in drop),
             risk=None if window.risk is None else tuple(round(window.risk[l], 5) for l in layers),
-            positions=positions, ms=ms, restored=restored, reencoded=reencoded, previous_level=decision.previous_level,
+            positions=positions, ms=ms, restored=restored, reencoded=reencoded, restore_ms=restore_ms,
+            ram_delta=ram_delta or None, previous_level=decision.previous_level,
             precision=None if decision.precision is None else tuple(p.value for p in decision.precision),
             cooldown_steps=decision.cooldown_steps, trigger_rate=decision.trigger_rate, steps=decision.steps)
         self.counters.count(decision.action)
@@ -313,6 +343,11 @@ class LiveSession:
                 f.write(json.dumps(event.to_json()) + "\n")
         if self.on_event is not None:
             self.on_event(event)
+
+    def _hold(self) -> None:
+        """Add this token's bytes held to the run's sums (:meth:`held_ratios`)."""
+        m = self.cache.memory()
+        self._held = (self._held[0] + m.ram, self._held[1] + m.backing_disk, self._held[2] + m.fp16)
 
     @property
     def trigger_rate(self) -> float:
@@ -331,14 +366,24 @@ class LiveSession:
         held = sum(int(layer.overlay_positions().numel()) for layer in self.cache.layers)
         return held / total
 
+    def held_ratios(self) -> tuple[float, float]:
+        """``(ram, disk)``: the bytes held in RAM (every tier) and on disk, averaged over every token fed so far, over
+        the FP16 bytes of the same tokens (also averaged): what the run cost, not only where it ended."""
+        ram, disk, fp16 = self._held
+        return (ram / fp16, disk / fp16) if fp16 else (1.0, 0.0)
+
     def summary(self) -> dict:
         c = self.counters
-        stored, fp16 = self.cache.nbytes(), self.cache.fp16_nbytes()
+        memory = self.cache.memory()
+        held_ram, held_disk = self.held_ratios()
         return {
             "tokens": self.length,
-            "kv_bytes": stored,
-            "kv_bytes_fp16": fp16,
-            "memory_saved": 1 - stored / fp16 if fp16 else 0.0,
+            "kv_bytes": memory.kv,
+            "kv_bytes_fp16": memory.fp16,
+            "memory_saved": memory.saved if memory.fp16 else 0.0,  # every tier in RAM counted
+            "memory": memory.to_json(),
+            "held_ram_ratio": held_ram,
+            "held_disk_ratio": held_disk,
             "monitoring_steps": c.steps,
             "trigger_rate": self.trigger_rate,
             "alarms": {"warning": c.warnings, "trigger": c.triggers, "severe": c.severe},
