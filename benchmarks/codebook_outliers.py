@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvguard import data, models
     from kvguard.architecture import Architecture
     from kvguard.evaluation import methods
-    from kvguard.evaluation.scoring import score_logits, score_simulated
     from kvguard.plan import Plan
+    from kvguard.scoring import score_logits, score_simulated
     from kvguard.simulate import simulate_logits
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             codec = Format(books[rotated] if cb else None, args.outliers if ol else 0) if (cb or ol) else None
             logits = simulate_logits(model, ids[:-1], plan, codec=codec)
             score = score_logits(ids, [logits], reference=reference)
-            stored, fp16 = methods.static_kv_bytes(plan, model.config, ids.numel() - 1)
+            stored, fp16 = plan.kv_bytes(model.config, ids.numel() - 1)
             stored += _format_bytes(plan, arch, ids.numel() - 1, cb, args.outliers if ol else 0)
             row = {"corpus": corpus, "method": name, "bytes_ratio": stored / fp16, "ppl": score.perplexity,
                    "ppl_delta_pct": 100.0 * (math.exp(score.nll - fp.nll) - 1.0), "kl": score.kl,

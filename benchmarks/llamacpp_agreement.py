@@ -11,8 +11,8 @@ import torch
 from kvguard import data, models
 from kvguard.architecture import Architecture
 from kvguard.evaluation import llamacpp
-from kvguard.evaluation.scoring import score_simulated
 from kvguard.plan import Plan
+from kvguard.scoring import score_simulated
 
 
 def main() -> None:

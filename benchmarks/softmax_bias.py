@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvguard import data, models
     from kvguard.architecture import Architecture
     from kvguard.evaluation import methods
-    from kvguard.evaluation.scoring import score_logits, score_simulated
     from kvguard.plan import Plan
+    from kvguard.scoring import score_logits, score_simulated
     from kvguard.simulate import simulate_logits
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -9,7 +9,8 @@ import kvguard
 ROOT = Path(kvguard.__file__).parent
 CORE = ("precision", "packing", "quantizer", "config", "plan", "cache_layer", "cache", "fp8", "per_token_head",
         "simulate", "entropy", "profile", "models", "data", "assets", "architecture", "attention", "atomic", "rotation",
-        "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope")
+        "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope", "metrics",
+        "scoring", "risk")
 STAGES = ("calibration", "control", "evaluation", "serving")
 MAX_FUNCTION_LINES = 80
 

@@ -22,9 +22,9 @@ from enum import Enum
 from kvguard.architecture import Architecture
 from kvguard.calibration.heldout import HeldOut
 from kvguard.calibration.sensitivity import Sensitivity
-from kvguard.evaluation.scoring import score_stream
 from kvguard.fp8 import FP8Scales, fp8_scales, parse_choice
 from kvguard.per_token_head import TokenHeadCache, TokenHeadFormat
+from kvguard.scoring import score_stream
 
 ONE_PASS = 256  # the engine caches are chunk-invariant: long chunks score chunk-1 decoding exactly
 

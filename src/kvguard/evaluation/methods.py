@@ -49,11 +49,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvguard.architecture import Architecture
 from kvguard.backing import BackingConfig
 from kvguard.config import CacheConfig
-from kvguard.fp8 import FP8Scales, Granularity, Rounding, fp8_scales
-from kvguard.architecture import Architecture
 from kvguard.evaluation import llamacpp
+from kvguard.fp8 import FP8Scales, Granularity, Rounding, fp8_scales
 from kvguard.per_token_head import TokenHeadCache, TokenHeadFormat
 from kvguard.plan import Plan, StaticScales
 
@@ -319,9 +319,3 @@ def kv_bytes(cache) -> tuple[int, int]:
     from kvguard.evaluation import peers
 
     return peers.cache_nbytes(cache), peers.fp16_nbytes(cache)
-
-
-def static_kv_bytes(plan: Plan, model_config, tokens: int, scales: StaticScales | None = None) -> tuple[int, int]:
-    """``kv_bytes`` of a cache built from ``plan`` after ``tokens`` tokens, without running the model
-    (:meth:`Plan.kv_bytes`)."""
-    return plan.kv_bytes(model_config, tokens, scales)

@@ -97,8 +97,7 @@ def _measure_llamacpp(model_name: str, spec, context: int, new_tokens: int, devi
         blocks = time_decode(engine, ids, new_tokens, rounds)
     config = AutoConfig.from_pretrained(models.resolve(model_name))
     # The cache holds the context and every decoded token but the last (which was never fed back).
-    _, fp16 = methods.static_kv_bytes(Plan.uniform(Architecture.from_config(config), "fp16"), config,
-                                      context + rounds * new_tokens)
+    _, fp16 = Plan.uniform(Architecture.from_config(config), "fp16").kv_bytes(config, context + rounds * new_tokens)
     return _row(spec.name, context, new_tokens, blocks, llamacpp.kv_bytes(spec, fp16), fp16)
 
 
