@@ -51,8 +51,8 @@ def test_wheel_in_a_fresh_venv_lists_the_embedded_models(tmp_path):
     assert "| gemma3-270m" in out and "4 / 1" in out and str(home / "models") in out
     # The features of the extras not installed here say what to install.
     probe = ("from kvguard.calibration import report\n"
-             "from kvguard.evaluation import peers\n"
+             "from kvguard.peers import PeerUnsupported, quantized_cache\n"
              "try:\n    report.write(None, 'r')\nexcept ImportError as e:\n    print(e)\n"
-             "try:\n    peers.make_cache('hf-quanto-4', None)\nexcept peers.PeerUnsupported as e:\n    print(e)\n")
+             "try:\n    quantized_cache.make_cache('hf-quanto-4', None)\nexcept PeerUnsupported as e:\n    print(e)\n")
     hints = _run([str(py), "-c", probe], cwd=tmp_path, env=env)
     assert "pip install 'kvguard[report]'" in hints and "pip install 'kvguard[peers]'" in hints

@@ -5,7 +5,7 @@
   (:mod:`kvguard.simulate`), in one forward pass;
 - :func:`score_live`: token by token through a :class:`~kvguard.control.session.LiveSession` (the feedback
   loop acting as it goes);
-- :func:`score_logits`: the logits another engine computed (llama.cpp, :mod:`kvguard.evaluation.llamacpp`).
+- :func:`score_logits`: the logits another engine computed (llama.cpp, :mod:`kvguard.peers.llamacpp`).
 
 All four feed the logits to one :class:`_Scorer`, so the metrics are computed the same way whichever produced
 them. Core, not evaluation's: calibration's held-out scoring and ``kvguard eval`` share it.

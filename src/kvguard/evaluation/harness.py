@@ -13,9 +13,8 @@ import torch
 
 from kvguard import atomic
 from kvguard.architecture import Architecture
-from kvguard.evaluation import llamacpp
 from kvguard.evaluation import methods as methods_mod
-from kvguard.evaluation.peers import PeerUnsupported
+from kvguard.peers import PeerUnsupported, llamacpp
 from kvguard.plan import Plan
 from kvguard.scoring import StreamScore, score_live, score_simulated, score_stream
 

@@ -19,7 +19,7 @@
 - ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
-  :mod:`kvguard.evaluation.peers`).
+  :mod:`kvguard.peers.quantized_cache`).
 - ``kvguard``: the plan a calibration profile chose (``kvguard calibrate``), INT8 heads with its calibrated
   scales; needs ``--profile``.
 - ``kvguard@<bytes>``: the profile's Pareto-frontier plan storing at most ``<bytes>`` of FP16 (e.g.
@@ -33,7 +33,7 @@
   (:mod:`kvguard.per_token_head`), reproduced from its kernels: no calibration, every layer quantized.
 - ``llamacpp-f16`` / ``llamacpp-q8_0`` / ``llamacpp-q5_0`` / ``llamacpp-q4_1`` / ``llamacpp-q4_0`` /
   ``llamacpp-iq4_nl`` / ``llamacpp-q8_0-q4_0`` (K q8_0, V q4_0): llama.cpp's own KV types, run in llama.cpp on
-  the embedded model's GGUF (:mod:`kvguard.evaluation.llamacpp`); their deltas are against ``llamacpp-f16``.
+  the embedded model's GGUF (:mod:`kvguard.peers.llamacpp`); their deltas are against ``llamacpp-f16``.
 - ``kvguard-live``: that plan decoded under the run-time feedback loop (:mod:`kvguard.control.session`);
   ``kvguard-live:<static method>`` runs the loop over another plan (e.g. ``kvguard-live:int2``) with the
   profile's baseline, classifier and thresholds, and a backing tier (:mod:`kvguard.backing`, 256 MiB) so that
@@ -52,8 +52,8 @@ from typing import Callable
 from kvguard.architecture import Architecture
 from kvguard.backing import BackingConfig
 from kvguard.config import CacheConfig
-from kvguard.evaluation import llamacpp
 from kvguard.fp8 import FP8Scales, Granularity, Rounding, fp8_scales
+from kvguard.peers import llamacpp
 from kvguard.per_token_head import TokenHeadCache, TokenHeadFormat
 from kvguard.plan import Plan, StaticScales
 
@@ -68,7 +68,7 @@ class Method:
         name: what ``--methods`` takes.
         description: one line for listings and docs.
         plan: for kvguard's own static methods, the plan for a given architecture; ``None`` for peers.
-        peer: the :mod:`kvguard.evaluation.peers` name for transformers' caches.
+        peer: the :mod:`kvguard.peers.quantized_cache` name for transformers' caches.
         scales: calibrated INT8 ranges the plan's INT8 heads use (profile methods).
         fp8: the static FP8 scales of the ``fp8`` methods (an engine's FP8 cache, :mod:`kvguard.fp8`).
         token_head: the vLLM per-token-head format of the ``vllm-*_per_token_head`` methods.
@@ -126,9 +126,9 @@ class Method:
         if self.llamacpp is not None:
             raise ValueError(f"method {self.name!r} runs inside llama.cpp, which keeps its own cache: it is scored by "
                              f"`kvguard eval --task ppl` only")
-        from kvguard.evaluation import peers
+        from kvguard.peers import quantized_cache
 
-        return peers.make_cache(self.peer, model)
+        return quantized_cache.make_cache(self.peer, model)
 
 
 def _uniform(precision: str, cache: CacheConfig | None = None) -> Callable[[Architecture], Plan]:
@@ -166,7 +166,7 @@ METHODS.update({
         (TokenHeadFormat.INT4, "asymmetric INT4 after a Hadamard rotation, one float32 scale per token and KV head"),
     )
 })
-# llama.cpp's own KV types, in llama.cpp (:mod:`kvguard.evaluation.llamacpp`).
+# llama.cpp's own KV types, in llama.cpp (:mod:`kvguard.peers.llamacpp`).
 METHODS.update({name: Method(name, spec.description(), llamacpp=spec) for name, spec in llamacpp.SPECS.items()})
 # Methods that need a calibration profile (``--profile``).
 PROFILE_METHODS = ("kvguard", "kvguard-live", "fp8", "fp8:head", "fp8:sglang", "fp8:vllm-cpu")
@@ -316,6 +316,6 @@ def kv_bytes(cache) -> tuple[int, int]:
     """``(stored bytes, FP16 bytes of the same shape)`` of any cache the methods make."""
     if hasattr(cache, "fp16_nbytes"):
         return cache.nbytes(), cache.fp16_nbytes()
-    from kvguard.evaluation import peers
+    from kvguard.peers import quantized_cache
 
-    return peers.cache_nbytes(cache), peers.fp16_nbytes(cache)
+    return quantized_cache.cache_nbytes(cache), quantized_cache.fp16_nbytes(cache)

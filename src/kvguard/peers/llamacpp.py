@@ -24,7 +24,7 @@ default, then ``step(token)`` one token per ``llama_decode``, the last position'
 task times it with the very loop and clock it times kvguard's caches with.
 
 ``llama_cpp`` is imported only when a method runs; without it (or without a GGUF) a row says why
-(:class:`~kvguard.evaluation.peers.PeerUnsupported`).
+(:class:`~kvguard.peers.PeerUnsupported`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvguard.evaluation.peers import PeerUnsupported
+from kvguard.peers import PeerUnsupported
 
 if TYPE_CHECKING:  # scoring pulls in transformers; this module is imported by the CLI's parser
     from kvguard.scoring import StreamScore

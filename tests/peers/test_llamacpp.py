@@ -10,8 +10,8 @@ import torch
 
 from kvguard import cli, data, models
 from kvguard.architecture import Architecture
-from kvguard.evaluation import harness, llamacpp, methods
-from kvguard.evaluation.peers import PeerUnsupported
+from kvguard.evaluation import harness, methods
+from kvguard.peers import PeerUnsupported, llamacpp
 from kvguard.plan import Plan
 from kvguard.scoring import score_simulated
 
