@@ -11,7 +11,7 @@ CORE = ("precision", "packing", "quantizer", "config", "plan", "cache_layer", "c
         "simulate", "entropy", "profile", "models", "data", "assets", "architecture", "attention", "atomic", "rotation",
         "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope", "metrics",
         "scoring", "risk")
-STAGES = ("calibration", "control", "evaluation", "serving", "peers")
+STAGES = ("calibration", "control", "evaluation", "serving", "peers", "export")
 MAX_FUNCTION_LINES = 80
 
 
