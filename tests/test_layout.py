@@ -8,7 +8,7 @@ import kvguard
 
 ROOT = Path(kvguard.__file__).parent
 CORE = ("precision", "packing", "quantizer", "config", "plan", "cache_layer", "cache", "fp8", "per_token_head",
-        "simulate", "entropy", "profile", "models", "data", "assets", "architecture", "attention", "atomic", "rotation",
+        "simulate", "entropy", "profile", "models", "assets", "architecture", "attention", "atomic", "rotation",
         "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope", "metrics",
         "scoring", "risk")
 STAGES = ("calibration", "control", "evaluation", "serving", "peers", "export")
@@ -34,7 +34,7 @@ def _imports(tree) -> set[str]:
 def test_the_root_shows_the_core_and_the_four_stages():
     names = {p.stem for p in ROOT.glob("*.py")} - {"__init__", "__main__"}
     assert names == set(CORE)
-    assert {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} == {*STAGES, "cli"}
+    assert {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} == {*STAGES, "cli", "data"}
 
 
 def test_nothing_at_run_time_imports_calibration():
