@@ -104,7 +104,7 @@ def monitor_overrides(settings: list[str]) -> dict:
 
 def _kl_by_quarter(logits: "torch.Tensor", reference: "torch.Tensor", ids: "torch.Tensor") -> list[float]:
     """The mean KL of each quarter of a stream's ``[T - 1, vocab]`` predictions against ``reference``."""
-    from kvguard.evaluation.metrics import TokenMetrics
+    from kvguard.metrics import TokenMetrics
 
     n = logits.shape[0]
     step = -(-n // 4)
@@ -124,8 +124,8 @@ def corpus_rows(model, profile, ids, base_name: str, variants: list[str], cap_mi
     from kvguard.architecture import Architecture
     from kvguard.backing import BackingConfig
     from kvguard.evaluation import methods
-    from kvguard.evaluation.scoring import score_live, score_simulated
     from kvguard.plan import Plan
+    from kvguard.scoring import score_live, score_simulated
 
     arch = Architecture.from_config(model.config)
     fp16 = score_simulated(model, ids, Plan.uniform(arch, "fp16", profile.plan.cache), keep_logits=True)

@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvguard import data, models
     from kvguard.architecture import Architecture
     from kvguard.evaluation import methods
-    from kvguard.evaluation.scoring import score_simulated
     from kvguard.plan import Plan
     from kvguard.profile import Profile
+    from kvguard.scoring import score_simulated
     from kvguard.simulate import simulate_logits
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             for suffix, widths in (("", set()), ("+cb3", {3}), ("+cb", {2, 3})):
                 codec = Codebook(levels, widths) if widths else None
                 logits = simulate_logits(model, ids[:-1], plan, scales, codec=codec)
-                stored, fp16 = methods.static_kv_bytes(plan, model.config, ids.numel() - 1, scales)
+                stored, fp16 = plan.kv_bytes(model.config, ids.numel() - 1, scales)
                 rows.append(logits_row(corpus, name + suffix, ids, logits, reference, fp.nll,
                                        stored + _codebook_bytes(levels, widths), fp16))
     print_table(rows)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from kvguard import data, models
 from kvguard.evaluation import harness
+from kvguard.export import engine_check
 from kvguard.profile import Profile
-from kvguard.serving import engine_check
 
 ENGINE_PYTHON = ".venv-engines/bin/python"
 

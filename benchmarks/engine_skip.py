@@ -22,10 +22,11 @@ import time
 import torch
 
 from kvguard import models
-from kvguard.calibration.engine_skip import EngineDtype, choose, heldout_of
+from kvguard.calibration.engine_skip import choose, heldout_of
 from kvguard.calibration.heldout import HeldOut
 from kvguard.calibration.samples import calibration_text
 from kvguard.calibration.sensitivity import Sensitivity
+from kvguard.export.skip_list import EngineDtype
 from kvguard.fp8 import fp8_scales
 from kvguard.plan import LayerPlan, Plan
 from kvguard.precision import Precision

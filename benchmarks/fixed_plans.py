@@ -52,8 +52,8 @@ def setup(args: argparse.Namespace):
 def streams(model, tok, arch, args: argparse.Namespace) -> Iterator[Stream]:
     """Each corpus of ``--corpus`` on ``--split``, with FP16's predictions."""
     from kvguard import data
-    from kvguard.evaluation.scoring import score_simulated
     from kvguard.plan import Plan
+    from kvguard.scoring import score_simulated
 
     for corpus in args.corpus.split(","):
         ids = data.token_stream(corpus, args.split, tok, args.tokens)
@@ -63,7 +63,7 @@ def streams(model, tok, arch, args: argparse.Namespace) -> Iterator[Stream]:
 
 def score(model, stream: Stream, plan, codec=None) -> dict:
     """KL, perplexity change and top-1 agreement of ``plan`` against FP16 on ``stream``."""
-    from kvguard.evaluation.scoring import score_logits
+    from kvguard.scoring import score_logits
     from kvguard.simulate import simulate_logits
 
     s = score_logits(stream.ids, [simulate_logits(model, stream.ids[:-1], plan, codec=codec)],

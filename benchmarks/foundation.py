@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from kvguard import data, models
 from kvguard.cache import KVGuardCache
-from kvguard.evaluation.scoring import score_stream
+from kvguard.scoring import score_stream
 
 
 def timed(fn, *args, **kwargs):

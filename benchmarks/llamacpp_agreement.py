@@ -1,5 +1,5 @@
 """How closely llama.cpp's own FP16 cache agrees with kvguard's ``fp16`` on the same tokens, and how llama.cpp's
-chunk (its ubatch) changes its scores: the figures quoted in ``kvguard.evaluation.llamacpp``'s docstring.
+chunk (its ubatch) changes its scores: the figures quoted in ``kvguard.peers.llamacpp``'s docstring.
 
     .venv/bin/python benchmarks/llamacpp_agreement.py > benchmarks/results/smollm2-135m-llamacpp-agreement.txt
 
@@ -10,9 +10,9 @@ import torch
 
 from kvguard import data, models
 from kvguard.architecture import Architecture
-from kvguard.evaluation import llamacpp
-from kvguard.evaluation.scoring import score_simulated
+from kvguard.peers import llamacpp
 from kvguard.plan import Plan
+from kvguard.scoring import score_simulated
 
 
 def main() -> None:

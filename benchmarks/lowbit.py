@@ -24,12 +24,12 @@ DEFAULT_METHODS = "int4,int3,int2,int4+rot,int3+rot,int3+rotk,int3+rotv,int2+rot
 def _row(model, ids, name, reference, ref_nll) -> dict:
     from kvguard.architecture import Architecture
     from kvguard.evaluation import methods
-    from kvguard.evaluation.scoring import score_simulated
+    from kvguard.scoring import score_simulated
 
     method = methods.get(name)
     plan = method.plan(Architecture.from_config(model.config))
     score = score_simulated(model, ids, plan, reference=reference)
-    stored, fp16 = methods.static_kv_bytes(plan, model.config, ids.numel() - 1)
+    stored, fp16 = plan.kv_bytes(model.config, ids.numel() - 1)
     return {"method": name, "bytes_ratio": stored / fp16, "ppl": score.perplexity,
             "ppl_delta_pct": 100.0 * (math.exp(score.nll - ref_nll) - 1.0),
             "kl": score.kl, "top1_agree": score.top1_agree}
@@ -38,7 +38,7 @@ def _row(model, ids, name, reference, ref_nll) -> dict:
 def logits_row(corpus: str, method: str, ids, logits, reference, ref_nll: float, stored: float, fp16: float) -> dict:
     """The scored row of ``logits`` ``[T - 1, vocab]`` predicting ``ids`` against the FP16 ``reference`` log-probs
     (whose NLL is ``ref_nll``), ``stored`` of ``fp16`` bytes; printed as JSON as it comes."""
-    from kvguard.evaluation.scoring import score_logits
+    from kvguard.scoring import score_logits
 
     score = score_logits(ids, [logits], reference=reference)
     row = {"corpus": corpus, "method": method, "bytes_ratio": stored / fp16, "ppl": score.perplexity,
@@ -59,8 +59,8 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     from kvguard import data, models
     from kvguard.architecture import Architecture
-    from kvguard.evaluation.scoring import score_simulated
     from kvguard.plan import Plan
+    from kvguard.scoring import score_simulated
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")

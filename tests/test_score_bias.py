@@ -12,10 +12,10 @@ from kvguard.architecture import Architecture
 from kvguard.config import CacheConfig
 from kvguard.control.decoding import CacheDecoder
 from kvguard.evaluation import methods
-from kvguard.evaluation.scoring import score_logits
 from kvguard.plan import LayerPlan, Plan
 from kvguard.precision import Precision
 from kvguard.quantizer import Axis, QuantSpec, quantize
+from kvguard.scoring import score_logits
 from kvguard.simulate import simulate_logits
 from tests.helpers import tiny_llama
 

@@ -9,7 +9,7 @@ from kvguard import data
 from kvguard.config import CacheConfig
 from kvguard.architecture import Architecture
 from kvguard.plan import LayerPlan, Plan, StaticScales
-from kvguard.evaluation.scoring import score_simulated, score_stream
+from kvguard.scoring import score_simulated, score_stream
 from kvguard.simulate import quantize_switch_points, simulate_logits
 
 pytestmark = pytest.mark.slow

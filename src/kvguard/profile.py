@@ -33,9 +33,9 @@ import torch
 
 from kvguard import atomic
 from kvguard.config import MonitorConfig, Objective
-from kvguard.control.risk import RiskClassifier
 from kvguard.entropy import EntropyBaseline
 from kvguard.plan import Plan, StaticScales
+from kvguard.risk import RiskClassifier
 
 SCHEMA_VERSION = 1
 KIND = "kvguard-profile"
@@ -437,7 +437,7 @@ def manifest_sha256(payload: dict) -> str:
 def check_architecture(meta: ProfileMeta, tensors: dict[str, torch.Tensor]) -> None:
     """Every block against the architecture the profile records; :class:`ProfileError` names the first field
     that does not fit."""
-    from kvguard.control.risk import NUM_FEATURES
+    from kvguard.risk import NUM_FEATURES
 
     m = meta.model
     layers, heads = m.num_layers, m.num_kv_heads

@@ -1,4 +1,4 @@
-"""The engine skip-list chooser: memory as the engine allocates it, candidates within the budget, the choice.
+"""The engine skip-list chooser: candidates within the budget, scored on held-out text, the choice.
 
 The numbers of the chooser itself run on a tiny random Llama with hand-made sensitivities; the real-model test
 chooses on a small real SmolLM2 profile and its held-out calibration text.
@@ -9,31 +9,12 @@ import math
 import pytest
 import torch
 
-from kvguard.architecture import Architecture
-from kvguard.calibration.engine_skip import EngineDtype, choose, choose_for_profile, engine_cache, memory_ratio
+from kvguard.calibration.engine_skip import choose, choose_for_profile
 from kvguard.calibration.heldout import HeldOut
 from kvguard.calibration.sensitivity import Sensitivity
-from kvguard.fp8 import FP8Cache, FP8Scales
-from kvguard.per_token_head import TokenHeadCache
+from kvguard.export.skip_list import EngineDtype
 from kvguard.precision import Precision
 from tests.helpers import tiny_llama
-
-ARCH = Architecture("gemma3_text", num_layers=4, num_query_heads=4, num_kv_heads=2, head_dim=64,
-                    layer_types=("sliding_attention",) * 3 + ("full_attention",), sliding_window=512)
-
-
-def test_memory_counts_codes_scales_and_windows_as_the_engine_allocates():
-    # int4_per_token_head: 32 code bytes + 4 scale bytes per 64 elements (128 bytes in FP16).
-    assert memory_ratio(ARCH, EngineDtype.INT4_PER_TOKEN_HEAD, (), 2048) == pytest.approx(36 / 128)
-    assert memory_ratio(ARCH, EngineDtype.INT8_PER_TOKEN_HEAD, (), 2048) == pytest.approx(68 / 128)
-    assert memory_ratio(ARCH, EngineDtype.FP8, (), 2048) == pytest.approx(0.5)
-    # Skipping the global layer (2,048 tokens) costs four times what a sliding one (511) does.
-    tokens = [511, 511, 511, 2048]
-    for skip in ((3,), (0,)):
-        stored = sum(t * (128 if i in skip else 36) for i, t in enumerate(tokens))
-        assert memory_ratio(ARCH, EngineDtype.INT4_PER_TOKEN_HEAD, skip, 2048) == pytest.approx(stored / (128 * sum(tokens)))
-    with pytest.raises(ValueError, match=r"has to be one of \[fp8, int8_per_token_head, int4_per_token_head\]"):
-        EngineDtype.parse("int2")
 
 
 def _sensitivity(alone: list[float]) -> Sensitivity:
@@ -69,17 +50,6 @@ def test_choose_scores_the_rankings_prefixes_within_the_budget(tiny_heldout):
         tight.engine_args()
     with pytest.raises(ValueError, match=r"fraction of FP16 in \(0, 1\]"):
         choose(tiny_heldout, sens, dtype, budget=1.5, context=96)
-
-
-def test_engine_caches_are_the_engines_formats(tiny_heldout):
-    config = tiny_heldout.model.config
-    scales = FP8Scales(torch.full((3,), 0.02), torch.full((3,), 0.03), "tensor")
-    cache = engine_cache(config, EngineDtype.FP8, (2,), scales)
-    assert isinstance(cache, FP8Cache) and cache.scales.skip_layers == (2,)
-    cache = engine_cache(config, EngineDtype.INT8_PER_TOKEN_HEAD, (0,))
-    assert isinstance(cache, TokenHeadCache) and cache.skip_layers == (0,)
-    with pytest.raises(ValueError, match="needs the exported FP8 scales"):
-        engine_cache(config, EngineDtype.FP8, ())
 
 
 @pytest.mark.slow

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from kvguard import data
-from kvguard.config import CacheConfig
+from kvguard.architecture import Architecture
 from kvguard.calibration import prefix
 from kvguard.calibration.heldout import HeldOut
-from kvguard.architecture import Architecture
+from kvguard.config import CacheConfig
 from kvguard.plan import LayerPlan, Plan
 from kvguard.precision import Precision
-from kvguard.evaluation.scoring import score_simulated
+from kvguard.scoring import score_simulated
 
 pytestmark = pytest.mark.slow
 

@@ -7,11 +7,11 @@ import torch
 from transformers import DynamicCache
 
 from kvguard import data
-from kvguard.config import CacheConfig
 from kvguard.architecture import Architecture
-from kvguard.plan import LayerPlan, Plan, StaticScales
-from kvguard.evaluation.scoring import score_simulated, score_stream
+from kvguard.config import CacheConfig
 from kvguard.entropy import EntropyAccumulator
+from kvguard.plan import LayerPlan, Plan, StaticScales
+from kvguard.scoring import score_simulated, score_stream
 from kvguard.calibration.kv_statistics import (BatchStatistics, KVStatistics, batches_by_length, collect, collect_batch,
                                               entropy_rows, merge)
 

@@ -8,15 +8,15 @@ import torch
 
 from kvguard import attention, fused_attention
 from kvguard.cache import KVGuardCache
-from kvguard.config import CacheConfig
-from kvguard.entropy import EntropyBaseline, SequenceReference, baseline_ratio
 from kvguard.calibration.monitor_fit import replay_alarms
 from kvguard.calibration.signals import window_means
+from kvguard.config import CacheConfig
 from kvguard.config import MonitorConfig
 from kvguard.control.monitor import TokenMonitor, _LiveHook, live_attention
 from kvguard.control.recompute import ceil_fraction
-from kvguard.control.risk import RiskClassifier
-from kvguard.evaluation.metrics import roc_auc
+from kvguard.entropy import EntropyBaseline, SequenceReference, baseline_ratio
+from kvguard.metrics import roc_auc
+from kvguard.risk import RiskClassifier
 
 
 def test_config_defaults_are_specs_numbers_and_validate():

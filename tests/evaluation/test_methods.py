@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kvguard.evaluation import methods
 from kvguard.architecture import Architecture
+from kvguard.evaluation import methods
 from kvguard.plan import StaticScales
 from kvguard.precision import Precision
 
@@ -19,7 +19,7 @@ def test_static_bytes_equal_the_bytes_after_decoding_token_by_token(name):
         for layer in range(TINY.num_layers):
             k, v = torch.randn(1, 2, 1, 32, generator=gen), torch.randn(1, 2, 1, 32, generator=gen)
             cache.update(k, v, layer)
-    assert methods.static_kv_bytes(plan, TINY, 203) == methods.kv_bytes(cache)
+    assert plan.kv_bytes(TINY, 203) == methods.kv_bytes(cache)
 
 
 def test_registry_names_and_layouts():
@@ -35,8 +35,8 @@ def test_value_modifiers_store_the_values_below_their_keys():
                for lp in sided.layers)
     assert methods.get("int4+v2+v0").plan(TINY) == methods.get("int4").plan(TINY)
     assert methods.get("int8+v1").plan(TINY) == methods.get("int8").plan(TINY)  # INT8 keys keep INT8 values
-    stored, _ = methods.static_kv_bytes(sided, TINY, 203)
-    assert stored < methods.static_kv_bytes(methods.get("int4").plan(TINY), TINY, 203)[0]
+    stored, _ = sided.kv_bytes(TINY, 203)
+    assert stored < methods.get("int4").plan(TINY).kv_bytes(TINY, 203)[0]
     with pytest.raises(ValueError, match="unknown modifier 'v3'"):
         methods.get("int4+v3")
 
@@ -52,8 +52,8 @@ def test_window_modifiers_need_calibrated_scales_for_8_bits():
     for layer in range(TINY.num_layers):
         cache.update(torch.randn(1, 2, 100, 32), torch.randn(1, 2, 100, 32), layer)
     # Sized from shapes alone, the 8-bit window's plan stores what its cache does, and less than 16 bits.
-    assert methods.static_kv_bytes(eight, TINY, 100) == methods.kv_bytes(cache)
-    assert methods.static_kv_bytes(eight, TINY, 100)[0] < methods.static_kv_bytes(base.plan(TINY), TINY, 100)[0]
+    assert eight.kv_bytes(TINY, 100) == methods.kv_bytes(cache)
+    assert eight.kv_bytes(TINY, 100)[0] < base.plan(TINY).kv_bytes(TINY, 100)[0]
 
 
 def test_key_rope_modifiers_store_keys_before_rope_at_the_same_bytes():
@@ -61,6 +61,6 @@ def test_key_rope_modifiers_store_keys_before_rope_at_the_same_bytes():
     assert pre.cache.prerope_keys and pre.layers == methods.get("int3+rot").plan(TINY).layers
     assert methods.get("int3+prerope+postrope").plan(TINY) == methods.get("int3").plan(TINY)
     # where keys are turned changes no byte (sized without the model's RoPE, which an Architecture lacks)
-    assert methods.static_kv_bytes(pre, TINY, 203) == methods.static_kv_bytes(methods.get("int3+rot").plan(TINY), TINY, 203)
+    assert pre.kv_bytes(TINY, 203) == methods.get("int3+rot").plan(TINY).kv_bytes(TINY, 203)
     with pytest.raises(ValueError, match="prerope_keys and score_correction"):
         methods.get("int2+sb+prerope").plan(TINY)

@@ -566,8 +566,8 @@ def _bad_profiles(source: Path, out: Path) -> dict[str, Path]:
     features (each saved through the profile's own writer, so every hash matches)."""
     import dataclasses
 
-    from kvguard.control.risk import RiskClassifier
     from kvguard.profile import Profile
+    from kvguard.risk import RiskClassifier
 
     good = Profile.load(source)
     meta, tensors = good.meta, good.tensors

@@ -17,10 +17,10 @@ import torch
 from kvguard.architecture import Architecture
 from kvguard.calibration import prefix
 from kvguard.calibration.logit_buffer import LogitBuffer
-from kvguard.evaluation.metrics import TokenMetrics
-from kvguard.evaluation.scoring import score_simulated
+from kvguard.metrics import TokenMetrics
 from kvguard.plan import Plan, StaticScales
 from kvguard.profile import PlanScore
+from kvguard.scoring import score_simulated
 from kvguard.simulate import first_quantized_query, simulate_logits
 
 

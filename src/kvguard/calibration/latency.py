@@ -62,13 +62,11 @@ class LatencyModel:
 
 def count_latency(model, cache_config: CacheConfig, *, context: int = 1024) -> LatencyModel:
     """The bytes one decode step reads after ``context`` tokens, per tier, and their ratios to FP16."""
-    from kvguard.evaluation.methods import static_kv_bytes
-
     arch = Architecture.from_config(model.config)
     weight_bytes = FP16_BYTES * sum(p.numel() for p in model.parameters())  # tied weights counted once
     step_bytes = {}
     for tier in TIERS:
-        kv, _ = static_kv_bytes(Plan.uniform(arch, tier, cache_config), model.config, context)
+        kv, _ = Plan.uniform(arch, tier, cache_config).kv_bytes(model.config, context)
         step_bytes[tier.value] = weight_bytes + kv
     ratios = {t: b / step_bytes["fp16"] for t, b in step_bytes.items()}
     return LatencyModel(ratios, context, step_bytes)

@@ -18,10 +18,10 @@ from kvguard.architecture import Architecture
 from kvguard.calibration.signals import FEATURES, TokenSignals, record, window_means
 from kvguard.config import MonitorConfig
 from kvguard.control.policy import raw_alarms
-from kvguard.control.risk import RiskClassifier
 from kvguard.entropy import EntropyBaseline
-from kvguard.evaluation.metrics import roc_auc
+from kvguard.metrics import roc_auc
 from kvguard.plan import Plan, StaticScales
+from kvguard.risk import RiskClassifier
 from kvguard.simulate import first_quantized_query
 
 KL_THRESHOLD = 0.01  # window KL that counts as "at risk": about a 1 % local perplexity cost

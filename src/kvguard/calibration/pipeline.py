@@ -41,8 +41,8 @@ from kvguard.calibration.output import check_out, locked
 from kvguard.calibration.ranking import rerank
 from kvguard.calibration.samples import CalibrationText, calibration_text
 from kvguard.calibration.search import LAYOUTS, Searcher, best, int4_bytes, level2_targets, pareto_front
-from kvguard.calibration.settings import RECOMMENDED_SAMPLES, CalibrationConfig
 from kvguard.calibration.sensitivity import Sensitivity, measure, ranking_table
+from kvguard.calibration.settings import RECOMMENDED_SAMPLES, CalibrationConfig
 from kvguard.config import MonitorConfig
 from kvguard.entropy import EntropyBaseline
 from kvguard.plan import StaticScales
@@ -261,7 +261,7 @@ def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayCon
 def _meta(run: _Run, chosen: Candidate, log: list[Candidate], latency: LatencyModel, sens: Sensitivity,
           fit: dict, ranked: list[RankedBudget]) -> ProfileMeta:
     cfg, arch = run.cfg, run.arch
-    from kvguard.control.risk import RiskClassifier
+    from kvguard.risk import RiskClassifier
 
     ranking = {"ranking": {"tokens_per_domain": cfg.settings().ranking_tokens // len(cfg.domains),
                            "budgets": [b.to_dict() for b in ranked]}} if ranked else {}
@@ -291,7 +291,7 @@ def refit_monitor(out: str | os.PathLike, *, progress: bool = True, device: str 
 
 def _refit_monitor(out: Path, progress: bool, device: str = "cpu") -> Profile:
     from kvguard import models
-    from kvguard.control.risk import RiskClassifier
+    from kvguard.risk import RiskClassifier
 
     profile = Profile.load(out)
     model, tok = models.load(profile.model_name, device=device)

@@ -34,7 +34,6 @@ from kvguard.calibration.heldout import HeldOut
 from kvguard.calibration.latency import TIERS, LatencyModel
 from kvguard.calibration.sensitivity import Sensitivity
 from kvguard.config import CacheConfig, Objective
-from kvguard.evaluation.methods import static_kv_bytes
 from kvguard.plan import LayerPlan, Plan, StaticScales
 from kvguard.precision import Precision
 from kvguard.profile import Candidate
@@ -170,7 +169,7 @@ class Searcher:
         out = []
         for (name, level, plan), quality in tqdm(zip(todo, qualities), total=len(todo), desc=desc, unit="plan",
                                                   disable=not self.progress or desc is None):
-            stored, fp16 = static_kv_bytes(plan, self.model.config, self.context)
+            stored, fp16 = plan.kv_bytes(self.model.config, self.context)
             memory = stored / fp16
             _, ref = self.layer_bytes(plan.cache)
             latency = self.latency.plan_latency(plan, (ref / ref.sum()).float())

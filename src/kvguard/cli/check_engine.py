@@ -31,7 +31,7 @@ def check(export_dir: Path, model_dir: str | None, served_out: str | None, engin
     """Build the served folder; with ``engine_python``, load it in vLLM and print the per-layer table."""
     from kvguard import models
     from kvguard.cli.common import CommandError
-    from kvguard.serving import engine_check, served_model
+    from kvguard.export import engine_check, served_model
 
     manifest = served_model.read_manifest(export_dir)
     model_dir = model_dir or str(models.resolve(manifest["model"]["name"]))

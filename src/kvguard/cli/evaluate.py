@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     add_model(p)
     add_device(p)
     p.add_argument("--profile", help="calibration profile (for the kvguard / kvguard-live / fp8 methods)")
-    from kvguard.evaluation import llamacpp, recall
+    from kvguard.evaluation import recall
+    from kvguard.peers import llamacpp
 
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated methods (default: %(default)s); llama.cpp's own KV types, run in llama.cpp on "
@@ -100,7 +101,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     """Every check that needs no model, so that bad input fails in a second, not after loading one; the
     method names."""
     from kvguard import data
-    from kvguard.evaluation import llamacpp, methods
+    from kvguard.evaluation import methods
+    from kvguard.peers import llamacpp
 
     names = csv(args.methods)
     if not names:
@@ -219,7 +221,8 @@ def _streams(args, tok) -> dict[str, list]:
 
 def _perplexity(args, model, streams: dict[str, list], names: list[str], profile) -> int:
     from kvguard import models
-    from kvguard.evaluation import harness, llamacpp, methods
+    from kvguard.evaluation import harness, methods
+    from kvguard.peers import llamacpp
 
     # The llama.cpp methods run on the GGUF the embedded model was converted from; a local folder has none (their
     # rows say so). Asked for only when needed: Gemma 3's GGUF is assembled from its chunk packages once.

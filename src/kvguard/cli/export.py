@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvguard.cli.check_engine import add_check_arguments
 from kvguard.cli.common import CommandError, add_device, device, writable_dir
-from kvguard.serving.export import KV_CACHE_DTYPES
+from kvguard.export.export import KV_CACHE_DTYPES
 
 
 def add_parser(sub) -> None:
@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvguard.cli.common import load_profile
+    from kvguard.export import export
     from kvguard.fp8 import describe
-    from kvguard.serving import export
 
     spec = export.ExportSpec(args.format, args.granularity, args.kv_cache_dtype)
     if args.check and not (spec.format is export.ExportFormat.VLLM and spec.static_scales):

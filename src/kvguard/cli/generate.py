@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from kvguard import models
     from kvguard.cli.common import load_profile
     from kvguard.evaluation import methods
+    from kvguard.evaluation.method_spec import LIVE
 
     if args.max_new_tokens < 1:
         raise CommandError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     target = device(args)
     writable_file("--events", args.events)
     profile = load_profile(args.profile)
-    method = methods.get(methods.LIVE if args.plan == "profile" else f"{methods.LIVE}:{args.plan}", profile)
+    method = methods.get(LIVE if args.plan == "profile" else f"{LIVE}:{args.plan}", profile)
     model, tok = models.load(args.model, device=target)
     profile.check_model(model)
     if args.events:

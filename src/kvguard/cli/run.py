@@ -213,9 +213,10 @@ def live_step(cfg: RunConfig, profile, model, tok, events: Path) -> None:
     from kvguard.cli.generate import print_summary, prompt_ids, token_printer
     from kvguard.control.events import describe
     from kvguard.evaluation import methods
+    from kvguard.evaluation.method_spec import LIVE
 
     aggressive = min(profile.meta.frontier(), key=lambda c: c.memory)
-    name = f"{methods.LIVE}:kvguard@{aggressive.memory!r}"
+    name = f"{LIVE}:kvguard@{aggressive.memory!r}"
     doc = data.documents("prose", "eval", limit=1, max_chars=1500)[0]
     ids = prompt_ids(tok, PROMPT + doc.text, raw=False)
     _heading(3, f"the live loop over the most aggressive frontier plan ({aggressive.memory:.3f} of FP16): "

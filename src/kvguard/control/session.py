@@ -38,7 +38,7 @@ from kvguard.control.events import Counters, Event, StepRecord
 from kvguard.control.monitor import TokenMonitor, live_attention, live_hook
 from kvguard.control.policy import Action, Decision, PolicyState, Window, decide
 from kvguard.control.recompute import restore_then_recompute, select_positions
-from kvguard.control.risk import RiskClassifier
+from kvguard.risk import RiskClassifier
 from kvguard.control.sampling import GREEDY, Sampler
 from kvguard.entropy import EntropyBaseline
 from kvguard.plan import Plan, StaticScales

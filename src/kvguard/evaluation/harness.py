@@ -13,11 +13,10 @@ import torch
 
 from kvguard import atomic
 from kvguard.architecture import Architecture
-from kvguard.evaluation import llamacpp
 from kvguard.evaluation import methods as methods_mod
-from kvguard.evaluation.peers import PeerUnsupported
-from kvguard.evaluation.scoring import StreamScore, score_live, score_simulated, score_stream
+from kvguard.peers import PeerUnsupported, llamacpp
 from kvguard.plan import Plan
+from kvguard.scoring import StreamScore, score_live, score_simulated, score_stream
 
 
 @dataclass
@@ -125,8 +124,7 @@ def _score(model, ids, method, simulated: bool, chunk: int, reference, corpus: s
                                progress=progress)
         # kvguard's FP16 count of these tokens (a sliding layer: its window) in GGML's blocks, comparable with the
         # other rows; llama.cpp's own allocation (cells padded, a sliding layer's window plus a batch) is not compared.
-        fp16 = methods_mod.static_kv_bytes(Plan.uniform(Architecture.from_config(model.config), "fp16"),
-                                           model.config, ids.numel() - 1)[1]
+        fp16 = Plan.uniform(Architecture.from_config(model.config), "fp16").kv_bytes(model.config, ids.numel() - 1)[1]
         return score, llamacpp.kv_bytes(method.llamacpp, fp16), fp16
     if method.live:
         session = method.session(model, sequence_id=f"{corpus}-{method.name}")
@@ -138,7 +136,7 @@ def _score(model, ids, method, simulated: bool, chunk: int, reference, corpus: s
     if simulated and not method.chunk_invariant:
         plan = method.plan(Architecture.from_config(model.config))
         score = score_simulated(model, ids, plan, reference=reference, keep_logits=keep, scales=method.scales)
-        return score, *methods_mod.static_kv_bytes(plan, model.config, ids.numel() - 1, method.scales)
+        return score, *plan.kv_bytes(model.config, ids.numel() - 1, method.scales)
     cache = method.make_cache(model)
     score = score_stream(model, ids, cache, chunk=ONE_PASS_CHUNK if simulated else chunk, reference=reference,
                          keep_logits=keep, progress=progress, desc=method.name)

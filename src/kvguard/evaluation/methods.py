@@ -3,23 +3,16 @@
 - ``fp16``: the reference, an unquantized KVGuardCache storing float16.
 - ``int8`` / ``int4`` / ``int3`` / ``int2``: kvguard's quantizers on every layer, no calibration, default layout
   (:class:`~kvguard.config.CacheConfig`: 4 sinks, FP window 64, group 32).
-- ``<static method>+rot`` / ``+rotk`` / ``+rotv``: that plan with the Hadamard rotation
-  (:mod:`kvguard.rotation`) on keys and values / keys only / values only of every layer below INT8, e.g.
-  ``int3+rotv`` or ``kvguard@0.25+rot``; ``<static method>+sb``: that plan with the softmax-bias correction of
-  the quantized keys' scores (:mod:`kvguard.score_bias`), e.g. ``int2+sb``; ``+nosb``: without it (calibration
-  keeps it in the low-bit frontier plans where it measured a lower KL), e.g. ``kvguard@0.22+nosb``;
-  ``<static method>+v1`` / ``+v2``: that plan with every head's values stored one / two tiers below its keys
-  (heads below INT8, never below INT2), e.g. ``int4+rot+v1`` (INT4 keys, INT3 values); ``+v0``: values at their
-  keys' tier, e.g. ``kvguard@0.24+v0`` (the calibrated plan without the values it stores lower);
-  ``+w8`` / ``+w16``: the full-precision window stored as INT8 codes under the profile's calibrated scales / in
-  float16 (``CacheConfig.window_bits``), e.g. ``kvguard@0.24+w16``; ``+w8`` needs a profile method;
-  ``+prerope`` / ``+postrope``: keys below INT8 stored before RoPE (:mod:`kvguard.rope`) / after it
-  (``CacheConfig.prerope_keys``), e.g. ``kvguard@0.30+prerope`` (not with the softmax-bias correction:
-  ``kvguard@0.22+nosb+prerope``).
+- ``<static method>+<modifier>...``: that plan changed, left to right, by each
+  :class:`~kvguard.evaluation.method_spec.Modifier`: ``rot`` / ``rotk`` / ``rotv`` (the Hadamard rotation), ``sb``
+  / ``nosb`` (the softmax-bias correction on / off), ``v0`` / ``v1`` / ``v2`` (values stored that many tiers below
+  their keys), ``w8`` / ``w16`` (the window's storage; ``w8`` needs a profile method), ``prerope`` / ``postrope``
+  (keys stored before / after RoPE), e.g. ``int3+rotv``, ``int4+rot+v1`` (INT4 keys, INT3 values),
+  ``kvguard@0.24+v0`` (the calibrated plan without the values it stores lower), ``kvguard@0.22+nosb+prerope``.
 - ``kivi-4`` / ``kivi-2``: the KIVI recipe on kvguard's quantizers: keys per channel, values per token,
   group 32, FP window 128, no sinks.
 - ``hf-quanto-4`` / ``hf-quanto-2`` / ``hf-hqq-4``: transformers' own ``QuantizedCache`` (see
-  :mod:`kvguard.evaluation.peers`).
+  :mod:`kvguard.peers.quantized_cache`).
 - ``kvguard``: the plan a calibration profile chose (``kvguard calibrate``), INT8 heads with its calibrated
   scales; needs ``--profile``.
 - ``kvguard@<bytes>``: the profile's Pareto-frontier plan storing at most ``<bytes>`` of FP16 (e.g.
@@ -33,12 +26,15 @@
   (:mod:`kvguard.per_token_head`), reproduced from its kernels: no calibration, every layer quantized.
 - ``llamacpp-f16`` / ``llamacpp-q8_0`` / ``llamacpp-q5_0`` / ``llamacpp-q4_1`` / ``llamacpp-q4_0`` /
   ``llamacpp-iq4_nl`` / ``llamacpp-q8_0-q4_0`` (K q8_0, V q4_0): llama.cpp's own KV types, run in llama.cpp on
-  the embedded model's GGUF (:mod:`kvguard.evaluation.llamacpp`); their deltas are against ``llamacpp-f16``.
+  the embedded model's GGUF (:mod:`kvguard.peers.llamacpp`); their deltas are against ``llamacpp-f16``.
 - ``kvguard-live``: that plan decoded under the run-time feedback loop (:mod:`kvguard.control.session`);
   ``kvguard-live:<static method>`` runs the loop over another plan (e.g. ``kvguard-live:int2``) with the
   profile's baseline, classifier and thresholds, and a backing tier (:mod:`kvguard.backing`, 256 MiB) so that
   compensation restores the original K/V and a promotion re-encodes the layer's history. Needs ``--profile``;
   always streamed token by token.
+
+A name is parsed once into a :class:`~kvguard.evaluation.method_spec.MethodSpec` (:func:`get`), and
+:func:`build` makes the method from it and this registry (:data:`METHODS`, :data:`FP8_METHODS`, the profile).
 
 Static methods (a :class:`~kvguard.plan.Plan`) can be scored by the fast simulation, the ``fp8`` methods by one
 pass over the stream (their cache is chunk-invariant); peers always stream, llama.cpp in ``--chunk`` tokens.
@@ -49,11 +45,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvguard.architecture import Architecture
 from kvguard.backing import BackingConfig
 from kvguard.config import CacheConfig
+from kvguard.evaluation import method_spec
+from kvguard.evaluation.method_spec import MethodSpec, Modifier
 from kvguard.fp8 import FP8Scales, Granularity, Rounding, fp8_scales
-from kvguard.architecture import Architecture
-from kvguard.evaluation import llamacpp
+from kvguard.peers import llamacpp
 from kvguard.per_token_head import TokenHeadCache, TokenHeadFormat
 from kvguard.plan import Plan, StaticScales
 
@@ -68,7 +66,7 @@ class Method:
         name: what ``--methods`` takes.
         description: one line for listings and docs.
         plan: for kvguard's own static methods, the plan for a given architecture; ``None`` for peers.
-        peer: the :mod:`kvguard.evaluation.peers` name for transformers' caches.
+        peer: the :mod:`kvguard.peers.quantized_cache` name for transformers' caches.
         scales: calibrated INT8 ranges the plan's INT8 heads use (profile methods).
         fp8: the static FP8 scales of the ``fp8`` methods (an engine's FP8 cache, :mod:`kvguard.fp8`).
         token_head: the vLLM per-token-head format of the ``vllm-*_per_token_head`` methods.
@@ -126,9 +124,9 @@ class Method:
         if self.llamacpp is not None:
             raise ValueError(f"method {self.name!r} runs inside llama.cpp, which keeps its own cache: it is scored by "
                              f"`kvguard eval --task ppl` only")
-        from kvguard.evaluation import peers
+        from kvguard.peers import quantized_cache
 
-        return peers.make_cache(self.peer, model)
+        return quantized_cache.make_cache(self.peer, model)
 
 
 def _uniform(precision: str, cache: CacheConfig | None = None) -> Callable[[Architecture], Plan]:
@@ -166,11 +164,8 @@ METHODS.update({
         (TokenHeadFormat.INT4, "asymmetric INT4 after a Hadamard rotation, one float32 scale per token and KV head"),
     )
 })
-# llama.cpp's own KV types, in llama.cpp (:mod:`kvguard.evaluation.llamacpp`).
+# llama.cpp's own KV types, in llama.cpp (:mod:`kvguard.peers.llamacpp`).
 METHODS.update({name: Method(name, spec.description(), llamacpp=spec) for name, spec in llamacpp.SPECS.items()})
-# Methods that need a calibration profile (``--profile``).
-PROFILE_METHODS = ("kvguard", "kvguard-live", "fp8", "fp8:head", "fp8:sglang", "fp8:vllm-cpu")
-LIVE = "kvguard-live"
 # The engine FP8 caches: name -> (fp8_scales arguments, description).
 FP8_METHODS: dict[str, tuple[dict, str]] = {
     "fp8": (dict(granularity=Granularity.TENSOR),
@@ -202,10 +197,9 @@ def frontier_method(name: str, profile) -> Method:
     """``kvguard@<bytes>``: the profile's Pareto-frontier plan with the lowest held-out KL among those storing
     at most ``<bytes>`` of FP16, or where calibration ranked that plan on longer text, the best ranked with it
     that fits (:meth:`~kvguard.profile.ProfileMeta.frontier_pick`): a more aggressive plan than the chosen one."""
-    try:
-        budget = float(name.split("@", 1)[1])
-    except ValueError:
-        raise ValueError(f"{name!r}: expected kvguard@<bytes ratio>, e.g. kvguard@0.25") from None
+    budget = method_spec.parse(name).budget
+    if budget is None:
+        raise ValueError(f"{name!r}: expected {method_spec.KVGUARD}@<bytes ratio>, e.g. {method_spec.KVGUARD}@0.25")
     point = profile.meta.frontier_pick(budget)
     if point is None:
         raise ValueError(f"{name!r}: the profile's Pareto frontier has no plan at or below {budget} of FP16 "
@@ -221,107 +215,71 @@ def fp8_method(name: str, profile) -> Method:
     return Method(name, f"{description} ({profile.model_name} profile)", fp8=fp8_scales(profile, **kwargs))
 
 
-# ``+<modifier>`` -> (rotate keys, rotate values).
-ROTATIONS = {"rot": (True, True), "rotk": (True, False), "rotv": (False, True)}
-# ``+sb`` / ``+nosb`` -> the softmax-bias correction of quantized keys' scores (kvguard.score_bias) on / off (the
-# search keeps it in the frontier plans it helps), and what the method's description says.
-SCORE_CORRECTION = {"sb": (True, "softmax-bias correction of quantized keys' scores"),
-                    "nosb": (False, "without the softmax-bias correction")}
-# ``+v<n>`` -> every head's values stored n tiers below its keys (LayerPlan.value_drop).
-VALUE_DROPS = {"v0": 0, "v1": 1, "v2": 2}
-# ``+w<bits>`` -> the window's storage (CacheConfig.window_bits).
-WINDOW_BITS = {"w8": 8, "w16": 16}
-# ``+prerope`` / ``+postrope`` -> keys below INT8 stored before / after RoPE (CacheConfig.prerope_keys).
-KEY_ROPE = {"prerope": (True, "keys below INT8 stored before RoPE"), "postrope": (False, "keys stored after RoPE")}
-MODIFIERS = (*ROTATIONS, *SCORE_CORRECTION, *VALUE_DROPS, *WINDOW_BITS, *KEY_ROPE)
-
-
-def modified_method(name: str, profile=None) -> Method:
-    """``<static method>+rot|rotk|rotv|sb|nosb|v0|v1|v2|w8|w16|prerope|postrope``: that method's plan with keys
-    and/or values rotated, with the softmax-bias correction on / off, with its values stored below their keys' tier,
-    with its window in 8 or 16 bits, or with its keys stored before / after RoPE."""
-    base_name, modifier = name.rsplit("+", 1)
-    if modifier not in MODIFIERS:
-        raise ValueError(f"{name!r}: unknown modifier {modifier!r}; valid modifiers are [{', '.join(MODIFIERS)}]")
-    base = get(base_name, profile)
-    if not base.simulatable:
-        raise ValueError(f"{name!r}: +{modifier} applies to a static kvguard plan; {base_name!r} is not one")
-    if modifier in SCORE_CORRECTION:
-        on, what = SCORE_CORRECTION[modifier]
-        return Method(name, f"{base.description}; {what}",
-                      lambda arch: base.plan(arch).with_score_correction(on), scales=base.scales)
-    if modifier in WINDOW_BITS:
-        bits = WINDOW_BITS[modifier]
-        if bits == 8 and base.scales is None:
-            raise ValueError(f"{name!r}: +w8 stores the window under calibrated INT8 scales, which {base_name!r} has "
-                             "none of; apply it to kvguard or kvguard@<bytes> (with --profile)")
-        return Method(name, f"{base.description}; {bits}-bit window", lambda arch: base.plan(arch).with_window_bits(bits),
-                      scales=base.scales)
-    if modifier in KEY_ROPE:
-        on, what = KEY_ROPE[modifier]  # a plan with the score correction refuses it (CacheConfig names both)
-        return Method(name, f"{base.description}; {what}", lambda arch: base.plan(arch).with_prerope_keys(on),
-                      scales=base.scales)
-    if modifier in VALUE_DROPS:
-        drop = VALUE_DROPS[modifier]
-        what = "values at their keys' tier" if not drop else f"values {drop} tier{'s' * (drop > 1)} below their keys'"
-        return Method(name, f"{base.description}; {what}", lambda arch: base.plan(arch).with_value_drop(drop),
-                      scales=base.scales)
-    keys, values = ROTATIONS[modifier]
-    side = {"rot": "keys and values", "rotk": "keys", "rotv": "values"}[modifier]
-    return Method(name, f"{base.description}; Hadamard-rotated {side}",
-                  lambda arch: base.plan(arch).with_rotation(keys, values), scales=base.scales)
-
-
 def get(name: str, profile=None) -> Method:
     """The method called ``name`` (profile methods from ``profile``); ``ValueError`` listing the valid names
     otherwise."""
-    if "+" in name and not name.startswith(LIVE):
-        return modified_method(name, profile)
-    if name in FP8_METHODS:
+    return build(method_spec.parse(name), profile)
+
+
+def build(spec: MethodSpec, profile=None) -> Method:
+    """The method ``spec`` describes: its base from the registry (or the profile), then its modifiers in order,
+    or the feedback loop over its static method."""
+    if spec.needs_profile and profile is None:
+        raise ValueError(f"method {spec.name!r} needs a calibration profile: pass --profile (see `kvguard calibrate`)")
+    if spec.live:
+        return live_method(spec, profile)
+    method = _base(spec, profile)
+    for i, modifier in enumerate(spec.modifiers):
+        method = _modified(method, modifier, spec.prefix(i + 1))
+    return method
+
+
+def _base(spec: MethodSpec, profile) -> Method:
+    """The method ``spec``'s modifiers apply to: the profile's plan or frontier plan, an FP8 method, or a
+    registered one."""
+    name = spec.prefix(0)
+    if spec.base == method_spec.KVGUARD:
+        return from_profile(profile) if spec.budget is None else frontier_method(name, profile)
+    if spec.base in FP8_METHODS:
         if profile is None:
             raise ValueError(f"method {name!r} needs a calibration profile: pass --profile (its scales are what "
                              f"`kvguard export` writes)")
-        return fp8_method(name, profile)
-    if name == "kvguard" or name.startswith("kvguard@") or name == LIVE or name.startswith(LIVE + ":"):
-        if profile is None:
-            raise ValueError(f"method {name!r} needs a calibration profile: pass --profile (see `kvguard calibrate`)")
-        if name == "kvguard":
-            return from_profile(profile)
-        if name.startswith("kvguard@"):
-            return frontier_method(name, profile)
-        return live_method(name, profile)
+        return fp8_method(spec.base, profile)
     try:
-        return METHODS[name]
+        return METHODS[spec.base]
     except KeyError:
-        raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, kvguard, kvguard@<bytes>, "
-                         f"kvguard-live, kvguard-live:<static method>, {', '.join(FP8_METHODS)}, "
-                         f"<static method>+{'|'.join(MODIFIERS)}]") from None
+        raise ValueError(f"unknown method {name!r}; valid methods are [{', '.join(METHODS)}, {method_spec.KVGUARD}, "
+                         f"{method_spec.KVGUARD}@<bytes>, {method_spec.LIVE}, {method_spec.LIVE}:<static method>, "
+                         f"{', '.join(FP8_METHODS)}, <static method>+{'|'.join(method_spec.MODIFIERS)}]") from None
 
 
-def live_method(name: str, profile) -> Method:
-    """``kvguard-live`` (the profile's plan) or ``kvguard-live:<base>`` (a static method's plan) under the
-    feedback loop."""
-    base_name = name.split(":", 1)[1] if ":" in name else "kvguard"
-    if base_name.startswith(LIVE):
-        raise ValueError(f"{name!r}: the loop runs over a static method, not over another live one")
-    base = get(base_name, profile)
+def _modified(base: Method, modifier: Modifier, name: str) -> Method:
+    """``base`` (a static kvguard plan) with ``modifier``'s change, called ``name``."""
     if not base.simulatable:
-        raise ValueError(f"{name!r}: the loop runs over a kvguard plan; {base_name!r} is not one ({base.description})")
-    return Method(name, f"feedback loop over {base_name} (entropy monitor, selective recomputation, dynamic "
-                        f"precision, rollback; backing tier)", base.plan, scales=profile.static_scales(), profile=profile,
-                  live=True, backing=BackingConfig(enabled=True))
+        raise ValueError(f"{name!r}: +{modifier.value} applies to a static kvguard plan; {base.name!r} is not one")
+    if modifier.needs_scales and base.scales is None:
+        raise ValueError(f"{name!r}: +{modifier.value} stores the window under calibrated INT8 scales, which "
+                         f"{base.name!r} has none of; apply it to kvguard or kvguard@<bytes> (with --profile)")
+    return Method(name, f"{base.description}; {modifier.description}", lambda arch: modifier.apply(base.plan(arch)),
+                  scales=base.scales)
+
+
+def live_method(spec: MethodSpec, profile) -> Method:
+    """``kvguard-live`` (the profile's plan) or ``kvguard-live:<static method>`` (that method's plan) under the
+    feedback loop, with the profile's baseline, classifier and thresholds and a backing tier."""
+    base = build(spec.over, profile)
+    if not base.simulatable:
+        raise ValueError(f"{spec.name!r}: the loop runs over a kvguard plan; {spec.over.name!r} is not one "
+                         f"({base.description})")
+    return Method(spec.name, f"feedback loop over {spec.over.name} (entropy monitor, selective recomputation, "
+                             f"dynamic precision, rollback; backing tier)", base.plan, scales=profile.static_scales(),
+                  profile=profile, live=True, backing=BackingConfig(enabled=True))
 
 
 def kv_bytes(cache) -> tuple[int, int]:
     """``(stored bytes, FP16 bytes of the same shape)`` of any cache the methods make."""
     if hasattr(cache, "fp16_nbytes"):
         return cache.nbytes(), cache.fp16_nbytes()
-    from kvguard.evaluation import peers
+    from kvguard.peers import quantized_cache
 
-    return peers.cache_nbytes(cache), peers.fp16_nbytes(cache)
-
-
-def static_kv_bytes(plan: Plan, model_config, tokens: int, scales: StaticScales | None = None) -> tuple[int, int]:
-    """``kv_bytes`` of a cache built from ``plan`` after ``tokens`` tokens, without running the model
-    (:meth:`Plan.kv_bytes`)."""
-    return plan.kv_bytes(model_config, tokens, scales)
+    return quantized_cache.cache_nbytes(cache), quantized_cache.fp16_nbytes(cache)

@@ -13,7 +13,7 @@ interrupted measures that process, not the cache). ``kvguard eval --passes`` run
 many times in turn, since the machine's speed also drifts from one process to the next. The feedback loop's rows add ``tok_s_watching``: the same
 with the time its compensation took left out (the loop watching, nothing acting). llama.cpp's own caches
 (``llamacpp-*``) run that loop over
-:func:`kvguard.evaluation.llamacpp.decoder` on the embedded model's GGUF, in a process that never loads the
+:func:`kvguard.peers.llamacpp.decoder` on the embedded model's GGUF, in a process that never loads the
 transformers model (so its peak RSS is llama.cpp's alone); their rows also carry ``tok_s_vs_reference``,
 the ratio to ``llamacpp-f16`` in the same run, the llama.cpp counterpart of kvguard's ``vs fp16``.
 """
@@ -60,7 +60,8 @@ def measure(model_name: str, method_name: str, context: int, new_tokens: int, pr
     on ``device``; the row's ``tok_s`` is the fastest block's (see :func:`_row`)."""
     from kvguard import data, models
     from kvguard.control.decoding import CacheDecoder
-    from kvguard.evaluation import llamacpp, methods
+    from kvguard.evaluation import methods
+    from kvguard.peers import llamacpp
     from kvguard.profile import Profile
 
     if methods.reference_of(method_name) == llamacpp.REFERENCE:
@@ -86,7 +87,8 @@ def _measure_llamacpp(model_name: str, spec, context: int, new_tokens: int, devi
     from kvguard import data, models
     from kvguard.architecture import Architecture
     from kvguard.device import resolve
-    from kvguard.evaluation import llamacpp, methods
+    from kvguard.evaluation import methods
+    from kvguard.peers import llamacpp
     from kvguard.plan import Plan
 
     tok = models.load_tokenizer(model_name)
@@ -97,8 +99,7 @@ def _measure_llamacpp(model_name: str, spec, context: int, new_tokens: int, devi
         blocks = time_decode(engine, ids, new_tokens, rounds)
     config = AutoConfig.from_pretrained(models.resolve(model_name))
     # The cache holds the context and every decoded token but the last (which was never fed back).
-    _, fp16 = methods.static_kv_bytes(Plan.uniform(Architecture.from_config(config), "fp16"), config,
-                                      context + rounds * new_tokens)
+    _, fp16 = Plan.uniform(Architecture.from_config(config), "fp16").kv_bytes(config, context + rounds * new_tokens)
     return _row(spec.name, context, new_tokens, blocks, llamacpp.kv_bytes(spec, fp16), fp16)
 
 
@@ -166,7 +167,8 @@ def run(model_name: str, method_names: list[str], contexts: list[int], new_token
     drifts from one process to the next (it does, idle or not) gives every method its fast and slow turns;
     :func:`merge_passes` keeps each method's fastest block."""
     from kvguard.device import name as device_name
-    from kvguard.evaluation import llamacpp, methods
+    from kvguard.evaluation import methods
+    from kvguard.peers import llamacpp
 
     in_llamacpp = [n for n in method_names if methods.reference_of(n) == llamacpp.REFERENCE]
     names = ["fp16"] + [n for n in method_names if n != "fp16" and n not in in_llamacpp]

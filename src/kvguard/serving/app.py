@@ -25,7 +25,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvguard.control.decoding import FinishReason
 from kvguard.serving.engine import Engine, Job
+from kvguard.serving.messages import Done, Failed, TextDelta
 from kvguard.serving.settings import ServeConfig
 from kvguard.serving.status_page import status_page
 from kvguard.serving.protocol import MAX_BODY_BYTES, RequestError, parse_json
@@ -80,7 +82,7 @@ async def _read_body(request: Request):
     return parse_json(bytes(raw))
 
 
-def _finish(engine: Engine, job: Job, endpoint: str, status: str, done: dict | None, completion_tokens: int = 0) -> None:
+def _finish(engine: Engine, job: Job, endpoint: str, status: str, done: Done | None, completion_tokens: int = 0) -> None:
     """Count and log one finished request."""
     r, m = job.request, engine.metrics
     now = time.time()
@@ -94,17 +96,17 @@ def _finish(engine: Engine, job: Job, endpoint: str, status: str, done: dict | N
     record = {"event": "request", "request": job.id, "endpoint": endpoint, "status": status,
               "stream": r.stream, "prompt_tokens": len(r.prompt_ids), "completion_tokens": completion_tokens,
               "seconds": round(now - job.arrived, 4)}
-    if done and done.get("first_token_at"):
-        ttft = done["first_token_at"] - job.arrived
+    if done is not None and done.first_token_at:
+        ttft = done.first_token_at - job.arrived
         m.ttft.observe(ttft)
         record["ttft_s"] = round(ttft, 4)
-        decode = done["finished_at"] - done["first_token_at"]
+        decode = done.finished_at - done.first_token_at
         if completion_tokens > 1 and decode > 0:
             m.throughput.set((completion_tokens - 1) / decode)
             record["tokens_per_s"] = round((completion_tokens - 1) / decode, 2)
-    summary = done and done.get("summary")
+    summary = done.summary if done is not None else None
     if summary:
-        record.update(finish_reason=done["finish_reason"], kv_bytes=summary["kv_bytes"],
+        record.update(finish_reason=done.finish_reason.value, kv_bytes=summary["kv_bytes"],
                       kv_bytes_fp16=summary["kv_bytes_fp16"], memory_saved=round(summary["memory_saved"], 4),
                       memory=summary["memory"],
                       trigger_rate=round(summary["trigger_rate"], 4), max_level=summary["max_level"],
@@ -158,37 +160,37 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 
 async def _complete(engine: Engine, request: Request, job: Job, endpoint: str):
     """A non-streamed completion: collect the text, answer once."""
-    text, done = [], None
+    text: list[str] = []
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
     try:
         while True:
-            kind, payload = await job.queue.get()
-            if kind == "text":
-                text.append(payload)
-            elif kind == "done":
-                done = payload
-                break
-            elif kind == "error":
-                _finish(engine, job, endpoint, "500", None)
-                return _error(RequestError(500, payload, kind="server_error"))
+            match await job.queue.get():
+                case TextDelta(delta):
+                    text.append(delta)
+                case Done() as done:
+                    break
+                case Failed(message):
+                    _finish(engine, job, endpoint, "500", None)
+                    return _error(RequestError(500, message, kind="server_error"))
     except asyncio.CancelledError:
         job.cancelled.set()
         raise
     finally:
         watcher.cancel()
-    n = done["completion_tokens"]
-    if done["finish_reason"] == "cancelled":
+    n = done.completion_tokens
+    if done.finish_reason is FinishReason.CANCELLED:
         _finish(engine, job, endpoint, "cancelled", done, n)
         return Response(status_code=499)  # nginx's "client closed request": nobody is left to read it
     _finish(engine, job, endpoint, "200", done, n)
     chat = endpoint == CHAT
     content = "".join(text)
+    reason = done.finish_reason.value
     choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-               "finish_reason": done["finish_reason"]} if chat else
-              {"index": 0, "text": content, "logprobs": None, "finish_reason": done["finish_reason"]})
+               "finish_reason": reason} if chat else
+              {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
     return JSONResponse({"id": _response_id(job, chat), "object": "chat.completion" if chat else "text_completion",
                          "created": int(job.arrived), "model": engine.model_name, "choices": [choice],
-                         "usage": _usage(job, n), "kvguard": _kvguard_block(done["summary"])})
+                         "usage": _usage(job, n), "kvguard": _kvguard_block(done.summary)})
 
 
 def _response_id(job: Job, chat: bool) -> str:
@@ -217,27 +219,26 @@ async def _stream(engine: Engine, job: Job, endpoint: str):
         if chat:
             yield _chunk(engine, job, chat, None, role=True)
         while True:
-            kind, payload = await job.queue.get()
-            if kind == "text":
-                yield _chunk(engine, job, chat, payload)
-            elif kind == "done":
-                done = payload
-                break
-            elif kind == "error":
-                status = "500"
-                yield f"data: {json.dumps(RequestError(500, payload, kind='server_error').body())}\n\n"
-                return
-        if done["finish_reason"] == "cancelled":
+            match await job.queue.get():
+                case TextDelta(delta):
+                    yield _chunk(engine, job, chat, delta)
+                case Done() as done:
+                    break
+                case Failed(message):
+                    status = "500"
+                    yield f"data: {json.dumps(RequestError(500, message, kind='server_error').body())}\n\n"
+                    return
+        if done.finish_reason is FinishReason.CANCELLED:
             return
         status = "200"
-        yield _chunk(engine, job, chat, None, done["finish_reason"])
+        yield _chunk(engine, job, chat, None, done.finish_reason.value)
         if job.request.include_usage:
-            yield _chunk(engine, job, chat, None, usage=_usage(job, done["completion_tokens"]))
+            yield _chunk(engine, job, chat, None, usage=_usage(job, done.completion_tokens))
         yield "data: [DONE]\n\n"
     finally:
         if status == "cancelled":
             job.cancelled.set()  # the client went away: the worker stops at its next token
-        _finish(engine, job, endpoint, status, done, done["completion_tokens"] if done else job.generated)
+        _finish(engine, job, endpoint, status, done, done.completion_tokens if done is not None else job.generated)
 
 
 async def completions(request: Request):

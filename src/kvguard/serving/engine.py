@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvguard import attention
+from kvguard.control.decoding import FinishReason
 from kvguard.control.events import Event
+from kvguard.serving.messages import Done, Failed, Message, TextDelta
 from kvguard.serving.metrics import Metrics
 from kvguard.serving.protocol import GenerationRequest, Limits, RequestError, RequestParser, TextStream
 from kvguard.serving.settings import ServeConfig
@@ -43,13 +45,14 @@ class Job:
     request: GenerationRequest
     arrived: float
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue  # of serving.messages.Message, in order
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: int = 0  # tokens generated so far (the worker's count)
     snapshot: dict = field(default_factory=dict)
 
-    def put(self, kind: str, payload) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+    def put(self, message: Message) -> None:
+        """Hand ``message`` to the request's handler (called from the worker thread)."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
 
 
 class Engine:
@@ -131,12 +134,12 @@ class Engine:
         self._publish_live()
         error = future.exception()
         if error is not None:  # _run reports its own errors; this is a bug in it
-            job.put("error", f"internal error: {error}")
+            job.put(Failed(f"internal error: {error}"))
 
     # ------------------------------------------------------------------ one request
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while the request waited
-            job.put("done", {"finish_reason": "cancelled", "completion_tokens": 0, "summary": None})
+            job.put(Done(FinishReason.CANCELLED, 0))
             return
         with self.admit_lock:
             self.running += 1
@@ -147,7 +150,7 @@ class Engine:
             session = self._session(job)
             self._decode(job, session)
         except Exception as err:  # noqa: BLE001 - reported to the client and the log, the server keeps going
-            job.put("error", f"{type(err).__name__}: {err}")
+            job.put(Failed(f"{type(err).__name__}: {err}"))
         finally:
             with self.admit_lock:
                 self.running -= 1
@@ -174,10 +177,9 @@ class Engine:
             job.generated += 1
             if first_token_at is None:
                 first_token_at = time.time()
-                job.put("first", first_token_at)
             delta = text.add(token)
             if delta:
-                job.put("text", delta)
+                job.put(TextDelta(delta))
             if job.generated % 8 == 0:
                 job.snapshot = _snapshot(session)
                 self._publish_live()
@@ -186,14 +188,12 @@ class Engine:
         out = session.generate(torch.tensor(r.prompt_ids), r.max_tokens, sampler=r.sampler,
                                eos_token_id=None if r.ignore_eos else self.tok.eos_token_id, on_token=on_token,
                                should_stop=job.cancelled.is_set)
-        finish = out.finish_reason.value
-        rest = text.flush() if finish != "cancelled" else ""
+        rest = text.flush() if out.finish_reason is not FinishReason.CANCELLED else ""
         if rest:
-            job.put("text", rest)
+            job.put(TextDelta(rest))
         summary = session.summary()
         self.metrics.finished(session)
-        job.put("done", {"finish_reason": finish, "completion_tokens": len(out.tokens), "summary": summary,
-                         "first_token_at": first_token_at, "finished_at": time.time()})
+        job.put(Done(out.finish_reason, len(out.tokens), summary, first_token_at, time.time()))
 
     def _on_event(self, job: Job, event: Event) -> None:
         self.metrics.event(event)

@@ -5,6 +5,9 @@ attention-weighted key / value quantization error); the output is the probabilit
 next-token ``KL(fp16 || quantized)`` exceeds ``kl_threshold`` (0.01 nats by default: about a 1 % local
 perplexity cost). It is trained during calibration on held-out calibration text under several plans, and
 stored in the profile as plain numbers (``profile.json``), never pickled.
+
+It is core, not a stage's: the profile stores it, calibration fits it and the run-time session applies it, and
+the core imports no stage.
 """
 
 from __future__ import annotations

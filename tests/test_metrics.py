@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvguard.evaluation.metrics import TokenMetrics, alarm_quality
+from kvguard.metrics import TokenMetrics, alarm_quality
 
 
 def test_hand_computed_nll_kl_top1():

@@ -24,7 +24,7 @@ default, then ``step(token)`` one token per ``llama_decode``, the last position'
 task times it with the very loop and clock it times kvguard's caches with.
 
 ``llama_cpp`` is imported only when a method runs; without it (or without a GGUF) a row says why
-(:class:`~kvguard.evaluation.peers.PeerUnsupported`).
+(:class:`~kvguard.peers.PeerUnsupported`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvguard.evaluation.peers import PeerUnsupported
+from kvguard.peers import PeerUnsupported
 
 if TYPE_CHECKING:  # scoring pulls in transformers; this module is imported by the CLI's parser
-    from kvguard.evaluation.scoring import StreamScore
+    from kvguard.scoring import StreamScore
 
 PACKAGE = "llama-cpp-python==0.3.36"
 PREFILL_BATCH = 512  # llama.cpp's default n_batch: a prompt is fed in pieces of this many tokens
@@ -254,7 +254,7 @@ def score(gguf: Path | None, ids: torch.Tensor, spec: KVSpec, *, chunk: int = 1,
             the model or the cache type.
     """
     gguf = _require_gguf(gguf, spec)
-    from kvguard.evaluation.scoring import score_logits
+    from kvguard.scoring import score_logits
 
     ids = torch.as_tensor(ids).reshape(-1)
     tokens = ids[:-1].tolist()  # the last token is only a target

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvguard.evaluation.scoring import score_stream
+from kvguard.scoring import score_stream
 
 
 class FixedLogits(torch.nn.Module):

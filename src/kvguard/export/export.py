@@ -13,7 +13,7 @@ The scales are :func:`kvguard.fp8.fp8_scales` of the profile (``clip * absmax / 
 ``--format vllm --kv-cache-dtype int8_per_token_head | int4_per_token_head``
     - no scale file (vLLM computes those scales per token as it writes); the manifest and README carry the
       engine arguments, with the skip list calibration chose for a memory budget
-      (:mod:`kvguard.calibration.engine_skip`) when one was given.
+      (:mod:`kvguard.export.skip_list`, measured by :mod:`kvguard.calibration.engine_skip`) when one was given.
 ``--format sglang``
     - ``kv_cache_scales.json``: the ``--quantization-param-path`` file, ``{"model_type": ..., "kv_cache":
       {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"<layer>": s}}}}`` (TP rank 0; one scale per layer
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from kvguard import __version__, atomic
+from kvguard.export.skip_list import EngineDtype
 from kvguard.fp8 import FP8Scales, Granularity, describe, fp8_scales, parse_choice
 
 MANIFEST_NAME = "kvguard_export.json"
@@ -59,8 +60,8 @@ class ExportFormat(str, Enum):
 
 
 # vLLM's --kv-cache-dtype values an export plans for; only fp8 takes static scales from the model folder.
-FP8 = "fp8"
-KV_CACHE_DTYPES = (FP8, "int8_per_token_head", "int4_per_token_head")
+FP8 = EngineDtype.FP8.value
+KV_CACHE_DTYPES = tuple(d.value for d in EngineDtype)
 
 
 class ExportError(ValueError):
@@ -157,7 +158,7 @@ def export(profile, spec: ExportSpec, out: str | os.PathLike, *, force: bool = F
 
     ``out`` may be missing, empty or a previous export; any other non-empty directory is refused unless
     ``force`` (it is then replaced, its files deleted). ``skip_choice``: the skip list calibration chose for
-    ``spec.kv_cache_dtype`` under a memory budget (:meth:`kvguard.calibration.engine_skip.SkipChoice.to_dict`);
+    ``spec.kv_cache_dtype`` under a memory budget (:meth:`kvguard.export.skip_list.SkipChoice.to_dict`);
     without it the plan's FP16 layers are skipped.
     """
     out = Path(out)

@@ -5,10 +5,10 @@
   (:mod:`kvguard.simulate`), in one forward pass;
 - :func:`score_live`: token by token through a :class:`~kvguard.control.session.LiveSession` (the feedback
   loop acting as it goes);
-- :func:`score_logits`: the logits another engine computed (llama.cpp, :mod:`kvguard.evaluation.llamacpp`).
+- :func:`score_logits`: the logits another engine computed (llama.cpp, :mod:`kvguard.peers.llamacpp`).
 
 All four feed the logits to one :class:`_Scorer`, so the metrics are computed the same way whichever produced
-them.
+them. Core, not evaluation's: calibration's held-out scoring and ``kvguard eval`` share it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
-from kvguard.evaluation.metrics import TokenMetrics
+from kvguard.metrics import TokenMetrics
 
 # Logits are turned into metrics this many positions at a time (bounds memory for 262k-token vocabularies).
 _SLICE = 256

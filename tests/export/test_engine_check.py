@@ -17,12 +17,12 @@ from safetensors import safe_open
 
 from kvguard import cli
 from kvguard.entropy import EntropyBaseline
+from kvguard.export import engine_check, served_model
+from kvguard.export.export import ExportError, ExportSpec, export
 from kvguard.plan import LayerPlan, Plan
 from kvguard.profile import Profile
-from kvguard.serving import engine_check, served_model
-from kvguard.serving.export import ExportError, ExportSpec, export
 from tests.helpers import profile_meta, tiny_llama
-from tests.serving.test_export import profile  # noqa: F401  (the real SmolLM2 profile fixture)
+from tests.export.test_export import profile  # noqa: F401  (the real SmolLM2 profile fixture)
 
 ENGINE_PYTHON = Path(__file__).resolve().parents[2] / ".venv-engines" / "bin" / "python"
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvguard import atomic
-from kvguard.serving.export import CONFIG_NAME, MANIFEST_NAME, SCALES_NAME, ExportError
+from kvguard.export.export import CONFIG_NAME, MANIFEST_NAME, SCALES_NAME, ExportError
 
 INDEX_NAME = "model.safetensors.index.json"
 SERVED_NAME = "kvguard_served.json"  # marks a folder this module wrote (so it may be replaced)

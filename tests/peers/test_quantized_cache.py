@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache
 
 from kvguard import data
-from kvguard.evaluation import peers
+from kvguard.peers import PeerUnsupported, quantized_cache
 
 PREFILL = 280  # quantized at once by the first update, whatever residual_length says
 STEPS = 20  # then one token at a time: these land in the full-precision residual
@@ -39,22 +39,22 @@ def runs(smollm2, ids):
     """Each peer run once over the same stream: name -> (cache, step logits)."""
     model, _ = smollm2
     out = {}
-    for name in peers.PEERS:
-        cache = peers.make_cache(name, model)
+    for name in quantized_cache.PEERS:
+        cache = quantized_cache.make_cache(name, model)
         out[name] = (cache, _feed(model, ids, cache))
     return out
 
 
-def _quantized_nbytes(tokens: int, spec: peers.PeerSpec, cfg) -> int:
+def _quantized_nbytes(tokens: int, spec: quantized_cache.PeerSpec, cfg) -> int:
     """Bytes of one layer's quantized keys or values (batch 1): a float32 scale and shift/zero per group of
     64 values, plus the codes bit-packed in uint8. hqq packs within groups ([64 * nbits / 8, groups]);
     quanto packs 8 / nbits groups per row of 64 bytes, padding the last row ([ceil(groups * nbits / 8), 64])."""
-    groups = cfg.num_key_value_heads * tokens * cfg.head_dim // peers.Q_GROUP_SIZE
+    groups = cfg.num_key_value_heads * tokens * cfg.head_dim // quantized_cache.Q_GROUP_SIZE
     if spec.backend == "quanto":
         per_row = 8 // spec.nbits
-        codes = -(-groups // per_row) * peers.Q_GROUP_SIZE
+        codes = -(-groups // per_row) * quantized_cache.Q_GROUP_SIZE
     else:
-        codes = peers.Q_GROUP_SIZE * spec.nbits // 8 * groups
+        codes = quantized_cache.Q_GROUP_SIZE * spec.nbits // 8 * groups
     return codes + 2 * groups * FLOAT32
 
 
@@ -64,27 +64,27 @@ def _residual_nbytes(tokens: int, cfg) -> int:
 
 
 def test_registry():
-    assert {n: (p.backend, p.nbits) for n, p in peers.PEERS.items()} == {
+    assert {n: (p.backend, p.nbits) for n, p in quantized_cache.PEERS.items()} == {
         "hf-quanto-4": ("quanto", 4), "hf-quanto-2": ("quanto", 2), "hf-hqq-4": ("hqq", 4)}
-    for name, spec in peers.PEERS.items():
+    for name, spec in quantized_cache.PEERS.items():
         assert spec.name == name
         assert "residual_length=128" in spec.description and "q_group_size=64" in spec.description
 
 
 def test_unknown_name_lists_valid_names():
     with pytest.raises(ValueError) as err:
-        peers.make_cache("hf-quanto-3", object())
-    for name in peers.PEERS:
+        quantized_cache.make_cache("hf-quanto-3", object())
+    for name in quantized_cache.PEERS:
         assert name in str(err.value)
 
 
 def test_missing_backend_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(peers, "_has_module", lambda module: False)
-    with pytest.raises(peers.PeerUnsupported, match=r"pip install optimum-quanto==") as err:
-        peers.make_cache("hf-quanto-4", object())
+    monkeypatch.setattr(quantized_cache, "_has_module", lambda module: False)
+    with pytest.raises(PeerUnsupported, match=r"pip install optimum-quanto==") as err:
+        quantized_cache.make_cache("hf-quanto-4", object())
     assert isinstance(err.value, RuntimeError)
-    with pytest.raises(peers.PeerUnsupported, match=r"pip install hqq=="):
-        peers.make_cache("hf-hqq-4", object())
+    with pytest.raises(PeerUnsupported, match=r"pip install hqq=="):
+        quantized_cache.make_cache("hf-hqq-4", object())
 
 
 def test_cache_nbytes_walks_containers_and_counts_each_storage_once():
@@ -99,54 +99,54 @@ def test_cache_nbytes_walks_containers_and_counts_each_storage_once():
             self.cls = QuantizedCache  # classes are not walked
             self.me = self  # cycles are fine
 
-    assert peers.cache_nbytes(Holder()) == 160 + 3 + 16
-    assert peers.cache_nbytes([base[5:], base]) == 160  # a view alone counts its whole storage
+    assert quantized_cache.cache_nbytes(Holder()) == 160 + 3 + 16
+    assert quantized_cache.cache_nbytes([base[5:], base]) == 160  # a view alone counts its whole storage
 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(peers.PEERS))
+@pytest.mark.parametrize("name", list(quantized_cache.PEERS))
 def test_make_cache_uses_transformers_defaults(name, smollm2):
     model, _ = smollm2
-    cache = peers.make_cache(name, model)
+    cache = quantized_cache.make_cache(name, model)
     assert isinstance(cache, QuantizedCache)
     assert len(cache.layers) == model.config.num_hidden_layers
     layer = cache.layers[0]
     assert (layer.nbits, layer.residual_length, layer.q_group_size, layer.axis_key, layer.axis_value) == (
-        peers.PEERS[name].nbits, peers.RESIDUAL_LENGTH, peers.Q_GROUP_SIZE, peers.AXIS_KEY, peers.AXIS_VALUE)
+        quantized_cache.PEERS[name].nbits, quantized_cache.RESIDUAL_LENGTH, quantized_cache.Q_GROUP_SIZE, quantized_cache.AXIS_KEY, quantized_cache.AXIS_VALUE)
     assert cache.get_seq_length() == 0
-    assert peers.cache_nbytes(cache) == 0 and peers.fp16_nbytes(cache) == 0
-    assert peers.make_cache(name, model) is not cache
+    assert quantized_cache.cache_nbytes(cache) == 0 and quantized_cache.fp16_nbytes(cache) == 0
+    assert quantized_cache.make_cache(name, model) is not cache
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(peers.PEERS))
+@pytest.mark.parametrize("name", list(quantized_cache.PEERS))
 def test_peer_on_real_text(name, runs, reference, smollm2):
     model, _ = smollm2
     cfg = model.config
     cache, logits = runs[name]
     assert cache.get_seq_length() == PREFILL + STEPS
     assert torch.isfinite(logits).all()
-    if peers.PEERS[name].nbits == 4:
+    if quantized_cache.PEERS[name].nbits == 4:
         agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
         assert agreement >= 0.8, agreement
     # quanto's 2 bits do not follow the FP cache (7 next tokens in 20 here; hqq-4 gets 17, quanto-4 all 20):
     # min/max over per-token groups loses ~60% of the keys' norm (see test_quantizers_are_plain_groupwise).
     # It is compared with 4 bits in test_fewer_bits_fewer_bytes_more_error.
 
-    fp16 = peers.fp16_nbytes(cache)
+    fp16 = quantized_cache.fp16_nbytes(cache)
     assert fp16 == cfg.num_hidden_layers * 2 * 2 * cfg.num_key_value_heads * (PREFILL + STEPS) * cfg.head_dim
-    measured = peers.cache_nbytes(cache)
+    measured = quantized_cache.cache_nbytes(cache)
     assert 0.1 < measured / fp16 < 1
     # The prefill sits quantized, the STEPS decoded tokens in the float32 residual.
-    expected = cfg.num_hidden_layers * 2 * (_quantized_nbytes(PREFILL, peers.PEERS[name], cfg)
+    expected = cfg.num_hidden_layers * 2 * (_quantized_nbytes(PREFILL, quantized_cache.PEERS[name], cfg)
                                             + _residual_nbytes(STEPS, cfg))
     assert measured == expected
 
 
 @pytest.mark.slow
 def test_fewer_bits_fewer_bytes_more_error(runs, reference):
-    ratio = {n: peers.cache_nbytes(c) / peers.fp16_nbytes(c) for n, (c, _) in runs.items()}
+    ratio = {n: quantized_cache.cache_nbytes(c) / quantized_cache.fp16_nbytes(c) for n, (c, _) in runs.items()}
     assert ratio["hf-quanto-2"] < ratio["hf-quanto-4"]
     assert ratio["hf-quanto-2"] < ratio["hf-hqq-4"]
     err = {n: (logits - reference).abs().mean().item() for n, (_, logits) in runs.items()}
@@ -165,7 +165,7 @@ def test_quantizers_are_plain_groupwise(smollm2, ids):
     with torch.no_grad():
         model(input_ids=ids[:, :64], cache=states, use_cache=True)
     keys = states.layers[5].keys.contiguous()
-    assert keys.shape[-1] == peers.Q_GROUP_SIZE
+    assert keys.shape[-1] == quantized_cache.Q_GROUP_SIZE
 
     def minmax(groups: torch.Tensor, nbits: int) -> torch.Tensor:
         lo, hi = groups.min(-1, keepdim=True).values, groups.max(-1, keepdim=True).values
@@ -175,55 +175,55 @@ def test_quantizers_are_plain_groupwise(smollm2, ids):
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()
 
-    for name, spec in peers.PEERS.items():
-        layer = peers.make_cache(name, model).layers[0]
+    for name, spec in quantized_cache.PEERS.items():
+        layer = quantized_cache.make_cache(name, model).layers[0]
         layer.lazy_initialization(keys, keys)
-        got = layer._dequantize(layer._quantize(keys, axis=peers.AXIS_KEY))
+        got = layer._dequantize(layer._quantize(keys, axis=quantized_cache.AXIS_KEY))
         if spec.backend == "quanto":
-            expected = minmax(keys.reshape(-1, peers.Q_GROUP_SIZE), spec.nbits).reshape(keys.shape)
+            expected = minmax(keys.reshape(-1, quantized_cache.Q_GROUP_SIZE), spec.nbits).reshape(keys.shape)
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
         else:
-            strided = keys.reshape(peers.Q_GROUP_SIZE, -1).t()  # hqq axis 0: every (numel / 64)-th value
+            strided = keys.reshape(quantized_cache.Q_GROUP_SIZE, -1).t()  # hqq axis 0: every (numel / 64)-th value
             expected = minmax(strided, spec.nbits).t().reshape(keys.shape)
             assert rel(got, keys) <= rel(expected, keys) + 1e-3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(peers.PEERS))
+@pytest.mark.parametrize("name", list(quantized_cache.PEERS))
 def test_nbytes_by_hand_through_a_flush(name, smollm2, ids):
     """Tiny case, checked against byte counts from shapes: the first update is quantized at once even though
     it is shorter than residual_length; single tokens then stay in the float32 residual; a chunk that takes
     the residual to residual_length flushes it, re-quantizing the whole history."""
     model, _ = smollm2
     cfg = model.config
-    spec = peers.PEERS[name]
+    spec = quantized_cache.PEERS[name]
     layers = cfg.num_hidden_layers
-    cache = peers.make_cache(name, model)
+    cache = quantized_cache.make_cache(name, model)
     with torch.no_grad():
         model(input_ids=ids[:, :8], cache=cache, use_cache=True)
         assert cache.get_seq_length() == 8
         assert all(layer.keys.numel() == 0 and layer.values.numel() == 0 for layer in cache.layers)
-        assert peers.cache_nbytes(cache) == layers * 2 * _quantized_nbytes(8, spec, cfg)
+        assert quantized_cache.cache_nbytes(cache) == layers * 2 * _quantized_nbytes(8, spec, cfg)
 
         for t in range(8, 13):
             model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
         assert all(layer.keys.shape[-2] == 5 and layer.keys.dtype == torch.float32 for layer in cache.layers)
         residual = layers * 2 * _residual_nbytes(5, cfg)
-        assert peers.cache_nbytes(cache) == layers * 2 * _quantized_nbytes(8, spec, cfg) + residual
-        assert peers.fp16_nbytes(cache) == layers * 2 * 2 * cfg.num_key_value_heads * 13 * cfg.head_dim
+        assert quantized_cache.cache_nbytes(cache) == layers * 2 * _quantized_nbytes(8, spec, cfg) + residual
+        assert quantized_cache.fp16_nbytes(cache) == layers * 2 * 2 * cfg.num_key_value_heads * 13 * cfg.head_dim
 
-        flush = peers.RESIDUAL_LENGTH - 5  # 5 + 123 >= 128
+        flush = quantized_cache.RESIDUAL_LENGTH - 5  # 5 + 123 >= 128
         model(input_ids=ids[:, 13:13 + flush], cache=cache, use_cache=True)
         tokens = 13 + flush
         assert cache.get_seq_length() == tokens
         assert all(layer.keys.numel() == 0 for layer in cache.layers)
-        assert peers.cache_nbytes(cache) == layers * 2 * _quantized_nbytes(tokens, spec, cfg)
+        assert quantized_cache.cache_nbytes(cache) == layers * 2 * _quantized_nbytes(tokens, spec, cfg)
 
 
 @pytest.mark.slow
 def test_gemma3_is_refused(gemma3):
     model, _ = gemma3
-    for name in peers.PEERS:
-        with pytest.raises(peers.PeerUnsupported, match="only full attention") as err:
-            peers.make_cache(name, model)
+    for name in quantized_cache.PEERS:
+        with pytest.raises(PeerUnsupported, match="only full attention") as err:
+            quantized_cache.make_cache(name, model)
         assert name in str(err.value) and "gemma3" in str(err.value)

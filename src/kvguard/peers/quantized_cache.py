@@ -1,8 +1,8 @@
-"""The peers kvguard is compared with: transformers' own ``QuantizedCache`` on the ``quanto`` and ``hqq`` backends.
+"""The peer transformers users reach for: its own ``QuantizedCache`` on the ``quanto`` and ``hqq`` backends.
 
-    cache = peers.make_cache("hf-quanto-4", model)
+    cache = quantized_cache.make_cache("hf-quanto-4", model)
     model(input_ids=ids, cache=cache)
-    peers.cache_nbytes(cache) / peers.fp16_nbytes(cache)      # measured bytes vs an FP16 cache
+    quantized_cache.cache_nbytes(cache) / quantized_cache.fp16_nbytes(cache)    # measured bytes vs FP16
 
 Every peer is built with transformers' defaults except ``nbits``: ``axis_key=0``, ``axis_value=0``,
 ``q_group_size=64``, ``residual_length=128``. What those defaults mean in transformers 5.24:
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvguard.peers import PeerUnsupported
+
 QUANTO_PACKAGE = "optimum-quanto==0.2.7"
 HQQ_PACKAGE = "hqq==0.2.8.post1"
 
@@ -44,10 +46,6 @@ RESIDUAL_LENGTH = 128
 Q_GROUP_SIZE = 64
 AXIS_KEY = 0
 AXIS_VALUE = 0
-
-
-class PeerUnsupported(RuntimeError):
-    """A peer cannot run here: transformers refuses the model, or the backend package is missing."""
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,15 @@ from safetensors import safe_open
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvguard import cli, data
-from kvguard.evaluation import harness, methods
-from kvguard.calibration.pipeline import _calibrated_scales
-from kvguard.serving.export import ExportError, ExportSpec, export
-from kvguard.fp8 import FP8_MAX, FP8Cache, FP8Scales, Granularity, Rounding, dequantize, fp8_scales, quantize
 from kvguard.architecture import Architecture
+from kvguard.calibration.kv_statistics import collect
+from kvguard.calibration.pipeline import _calibrated_scales
+from kvguard.evaluation import harness, methods
+from kvguard.export.export import ExportError, ExportSpec, export
+from kvguard.fp8 import FP8_MAX, FP8Cache, FP8Scales, Granularity, Rounding, dequantize, fp8_scales, quantize
 from kvguard.plan import LayerPlan, Plan
 from kvguard.profile import Profile
-from kvguard.evaluation.scoring import score_stream
-from kvguard.calibration.kv_statistics import collect
+from kvguard.scoring import score_stream
 from tests.helpers import profile_meta
 
 FP16_LAYERS = (0, 7, 29)  # layer 7 has one FP16 head among int4 / int8 ones: engines skip whole layers

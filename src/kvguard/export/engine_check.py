@@ -2,7 +2,7 @@
 
 An engine that finds no scale for a layer runs it with 1.0 and no warning, so a file name, a tensor name or a
 config block that the engine does not read is invisible until the answers degrade. :func:`run_vllm` loads a
-served model folder (:mod:`kvguard.served_model <kvguard.serving.served_model>`) in vLLM, in a subprocess with
+served model folder (:mod:`kvguard.served_model <kvguard.export.served_model>`) in vLLM, in a subprocess with
 the python of the venv vLLM lives in (``make engines``: vLLM cannot share kvguard's venv), and
 :func:`compare` sets what every attention layer holds beside what the export wrote. A layer the engine did not
 report, a scale of 1.0 in the engine, or a value that differs is an error.
@@ -116,7 +116,7 @@ def exported_scales(export_dir: str | os.PathLike, granularity: str) -> FP8Scale
     """The scales as the export's ``kv_cache_scales.safetensors`` holds them (what the engine is given)."""
     from safetensors.torch import load_file
 
-    from kvguard.serving.export import SCALES_NAME
+    from kvguard.export.export import SCALES_NAME
 
     tensors = load_file(str(Path(export_dir) / SCALES_NAME))
     n = len(tensors) // 2

@@ -7,6 +7,9 @@
 
 and :func:`roc_auc`, how well a score separates two classes (the monitor's signals against real error), and
 :func:`alarm_quality`, precision and recall of yes/no alarms against the windows that really were bad.
+
+Core, not evaluation's: calibration scores its held-out text and its monitor with the same numbers that
+``kvguard eval`` reports.
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ import torch
 
 from kvguard import cli, data, models
 from kvguard.architecture import Architecture
-from kvguard.evaluation import harness, llamacpp, methods
-from kvguard.evaluation.peers import PeerUnsupported
-from kvguard.evaluation.scoring import score_simulated
+from kvguard.evaluation import harness, methods
+from kvguard.peers import PeerUnsupported, llamacpp
 from kvguard.plan import Plan
+from kvguard.scoring import score_simulated
 
 TOKENS = 256
 NAMES = ["llamacpp-f16", "llamacpp-q8_0", "llamacpp-q5_0", "llamacpp-q4_1", "llamacpp-q4_0", "llamacpp-iq4_nl",
@@ -43,7 +43,7 @@ def test_kv_bytes_by_hand():
 
 
 def test_kv_bytes_scale_kvguards_fp16_count_sliding_layers_included():
-    _, fp16 = methods.static_kv_bytes(Plan.uniform(TINY, "fp16"), TINY, 203)
+    _, fp16 = Plan.uniform(TINY, "fp16").kv_bytes(TINY, 203)
     # The sliding layer keeps what the next query can see (window - 1 = 47 tokens), the full layer all 203:
     # 2 bytes x 2 heads x 32 values x K and V per token.
     assert fp16 == 2 * 2 * 32 * 2 * (47 + 203)

@@ -1,6 +1,6 @@
 """Loads a served model folder in vLLM and reports what the engine holds, as one JSON line on stdout.
 
-Run by :mod:`kvguard.serving.engine_check` with the python of the venv vLLM is installed in (``make engines``),
+Run by :mod:`kvguard.export.engine_check` with the python of the venv vLLM is installed in (``make engines``),
 never imported by kvguard: it needs only vLLM and the standard library. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 keeps vLLM's engine core in this process, so the model object is reachable: the scales are read from every
 attention layer right after the weights are loaded (``load_model`` is wrapped), before vLLM allocates its KV
