@@ -12,7 +12,9 @@ from kvguard.serving.metrics import Metrics
 from kvguard.serving.protocol import GenerationRequest
 
 SUMMARY = {"kv_bytes": 10, "kv_bytes_fp16": 40, "memory_saved": 0.75, "trigger_rate": 0.0, "max_level": 0,
-           "actions": {}, "recomputed_positions": 0}
+           "actions": {}, "recomputed_positions": 0,
+           "memory": {"hot_bytes": 10, "overlay_bytes": 0, "backing_ram_bytes": 0, "backing_disk_bytes": 0,
+                      "kv_bytes": 10, "ram_bytes": 10, "fp16_bytes": 40, "memory_saved": 0.75}}
 
 
 def _engine(log: list) -> SimpleNamespace:
