@@ -1,11 +1,9 @@
 """The process's memory against the cache's stored bytes: does a process hold what its KV cache stores?
 
-For each method and allocator setting, a fresh process loads the model, prefills ``--batch`` sequences of
-``--context`` held-out tokens in 256-token chunks through the method's cache (reading the history through the
-reads' attention, as the server and the decoders do), then runs 64 decode steps
-(:func:`kvguard.evaluation.capacity.probe`). The row compares the process's peak RSS above the loaded model with the
-bytes the cache stores at the end, against the bound ``1.15 x stored + 64 MiB`` (64 MiB: the model's own activations
-for a chunk of eight sequences). The allocator settings are glibc's defaults (``MALLOC_ARENA_MAX`` unset) and
+For each method and allocator setting, a fresh process loads the model, feeds ``--batch`` sequences of ``--context``
+held-out tokens as the server does (each its own cache, 256-token chunks, the history read through the reads'
+attention), then runs 64 decode steps over all of them in packed forwards (:func:`kvguard.evaluation.capacity.probe`). The row compares the process's peak RSS above the loaded model with the
+bytes the cache stores at the end, against the bound ``1.15 x stored + 64 MiB`` (64 MiB: the model's own activations for one chunk). The allocator settings are glibc's defaults (``MALLOC_ARENA_MAX`` unset) and
 ``MALLOC_ARENA_MAX=2``; ``--beside-load`` runs the same beside a process that keeps one core busy with matmuls.
 
     .venv/bin/python benchmarks/memory.py --model smollm2-135m --batch 8 --context 4096 \\
@@ -64,7 +62,7 @@ def row(result: dict, arena: str | None, load: bool) -> dict:
     bound = FACTOR * stored + SLACK_MIB
     return {"method": result["method"], "arena": arena or "unset", "beside_load": load, "stored_mib": stored,
             "over_model_mib": over, "bound_mib": bound, "holds": over <= bound, "model_rss_mib": result["model_rss"] / MIB,
-            "prefill_peak_mib": (max(p[2] for p in result["points"]) - result["model_rss"]) / MIB,
+            "prefill_peak_mib": (max(p[3] for p in result["points"]) - result["model_rss"]) / MIB,
             "decode_peak_mib": (result["decode_peak"] - result["model_rss"]) / MIB}
 
 

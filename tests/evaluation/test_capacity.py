@@ -19,31 +19,36 @@ def test_line_fit_by_hand():
         Linear.fit([])
 
 
-def _probe_row():
-    # Batch 2, model 1,000 MiB; per sequence the cache holds 10 MiB + 1 MiB per 256 tokens and the chunk's
-    # transient is 4 MiB + 2 MiB per 256 tokens: the per-chunk peak is model + 2 x (kv + act).
+def _probe_row(per_sequence: bool = False):
+    # Batch 2, model 1,000 MiB; per sequence the cache holds 10 MiB + 1 MiB per 256 tokens, and a chunk's transient
+    # is 4 MiB + 2 MiB per 256 tokens of context: per forward (the served path), or per sequence (the peers' batch).
     points = []
     for t in (256, 512, 768, 1024):
         kv, act = 10 + t / 256, 4 + 2 * t / 256
-        points.append([t, 2 * kv * MIB, (1000 + 2 * (kv + act)) * MIB])
-    return {"method": "int4", "batch": 2, "model_rss": 1000 * MIB, "load_peak": 1100 * MIB, "points": points}
+        transient = 2 * act if per_sequence else act
+        points.append([t, kv * MIB, 2 * kv * MIB, (1000 + 2 * kv + transient) * MIB])
+    return {"method": "int4", "batch": 2, "model_rss": 1000 * MIB, "load_peak": 1100 * MIB, "points": points,
+            "act_per_sequence": per_sequence}
 
 
-def test_footprint_from_a_probe_recovers_the_per_sequence_lines():
+def test_footprint_from_a_probe_recovers_the_lines():
     fp = Footprint.from_probe(_probe_row())
     assert math.isclose(fp.kv.intercept, 10 * MIB) and math.isclose(fp.kv.slope, MIB / 256)
     assert math.isclose(fp.act.intercept, 4 * MIB) and math.isclose(fp.act.slope, 2 * MIB / 256)
-    # At 4,096 tokens one sequence adds (10 + 16) + (4 + 32) = 62 MiB.
-    assert math.isclose(fp.per_sequence(4096), 62 * MIB)
-    assert math.isclose(fp.peak(8, 4096), (1000 + 8 * 62) * MIB)
+    # At 4,096 tokens one sequence adds 10 + 16 = 26 MiB; the forward's transient is 4 + 32 = 36 MiB, once.
+    assert math.isclose(fp.per_sequence(4096), 26 * MIB)
+    assert math.isclose(fp.peak(8, 4096), (1000 + 8 * 26 + 36) * MIB)
     assert fp.peak(1, 256) == 1100 * MIB  # the load's peak is higher than one short sequence's
+    peers = Footprint.from_probe(_probe_row(per_sequence=True))
+    assert peers.act_per_sequence and math.isclose(peers.per_sequence(4096), 62 * MIB)
+    assert math.isclose(peers.peak(8, 4096), (1000 + 8 * 62) * MIB)
 
 
 def test_max_batch_is_the_largest_that_fits():
-    fp = Footprint("x", model_rss=1000 * MIB, load_peak=1000 * MIB, kv=Linear(0, MIB / 256), act=Linear(0, 0))
-    # 16 MiB per sequence at 4,096 tokens: (4,096 - 1,000) / 16 = 193.5 -> 193.
-    assert fp.max_batch(4 * 1024 * MIB, 4096) == 193
-    assert fp.peak(193, 4096) <= 4 * 1024 * MIB < fp.peak(194, 4096)
+    fp = Footprint("x", model_rss=1000 * MIB, load_peak=1000 * MIB, kv=Linear(0, MIB / 256), act=Linear(16 * MIB, 0))
+    # 16 MiB per sequence at 4,096 tokens and 16 MiB once: (4,096 - 1,000 - 16) / 16 = 192.5 -> 192.
+    assert fp.max_batch(4 * 1024 * MIB, 4096) == 192
+    assert fp.peak(192, 4096) <= 4 * 1024 * MIB < fp.peak(193, 4096)
     assert fp.max_batch(900 * MIB, 4096) == 0  # the model alone does not fit
     heavy = Footprint("y", model_rss=1000 * MIB, load_peak=5000 * MIB, kv=Linear(0, MIB), act=Linear(0, 0))
     assert heavy.max_batch(4 * 1024 * MIB, 16) == 0  # loading already peaks above the budget
@@ -52,13 +57,15 @@ def test_max_batch_is_the_largest_that_fits():
 def test_rows_and_table():
     fp = Footprint.from_probe(_probe_row())
     row = capacity.capacity_row(fp, 4 * 1024 * MIB, (1024, 4096), 8, 4096)
-    assert row["max_batch"] == {"1024": (4096 - 1000) // (14 + 12), "4096": (4096 - 1000) // 62}
-    assert math.isclose(row["predicted_peak_mb"], 1000 + 8 * 62)
-    row.update(kv_bytes_ratio=0.33, measured_peak_mb=1500.0, peak_rss_ratio=0.9)
+    assert row["max_batch"] == {"1024": (4096 - 1000 - 12) // 14, "4096": (4096 - 1000 - 36) // 26}
+    assert math.isclose(row["predicted_peak_mb"], 1000 + 8 * 26 + 36)
+    row.update(kv_bytes_ratio=0.33, measured_peak_mb=1300.0, peak_rss_ratio=0.9,
+               largest_check={"batch": 117, "predicted_mb": 4078.0, "measured_mb": 3900.0, "budget_mb": 4096.0,
+                              "within_budget": True, "error_pct": -4.4})
     table = capacity.markdown_table([row, {"method": "hf-quanto-4", "error": "no quanto"}], 4.0)
     assert "max batch @ 4096 (4 GiB)" in table and "peak 8 x 4096 predicted MiB" in table
-    assert "| int4 | 1000 | 26.0 | 36.0 | 119 | 49 | 1496 | 1500 | 0.90 | 0.330 |" in table
-    assert "| hf-quanto-4 | unsupported: no quanto |" in table
+    assert "| int4 | 1000 | 26.0 | 36.0 | 220 | 117 | 1244 | 1300 | 0.90 | 0.330 |" in table
+    assert "| int4 | 117 | 4078 | 3900 | 0.956 | yes |" in table
 
 
 def test_a_probe_counts_the_weights_in_the_model_not_in_the_first_chunk(smollm2):
@@ -68,5 +75,5 @@ def test_a_probe_counts_the_weights_in_the_model_not_in_the_first_chunk(smollm2)
     assert "error" not in row, row
     weights = smollm2[0].num_parameters() * 4  # float32
     assert row["model_rss"] - row["base_rss"] >= 0.95 * weights
-    (_, kv, first_peak), _ = row["points"]
+    (_, _, kv, first_peak), _ = row["points"]
     assert first_peak - row["model_rss"] - kv < 0.5 * weights

@@ -46,12 +46,12 @@ class Server(NamedTuple):
 
 @pytest.fixture(scope="module")
 def server(small_profile_dir, tmp_path_factory):
-    """Two workers and a queue of four, so six requests fill it. The server uses as many torch threads as this
+    """A batch of two and a queue of four, so six requests fill it. The server uses as many torch threads as this
     process, so its greedy decoding can be compared with an in-process one."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "requests.jsonl"
     cmd = [sys.executable, "-m", "kvguard", "serve", "--profile", str(small_profile_dir), "--port", str(port),
-           "--api-key", KEY, "--max-concurrency", str(WORKERS), "--max-queue", str(QUEUE), "--max-prompt-tokens",
+           "--api-key", KEY, "--max-batch", str(WORKERS), "--max-queue", str(QUEUE), "--max-prompt-tokens",
            "200", "--max-new-tokens", str(MAX_NEW), "--log-file", str(log), "--torch-threads", str(torch.get_num_threads())]
     # The server runs the kvguard this process imports (not whichever one the interpreter has installed).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=kvguard_env(HF_HUB_OFFLINE="1"))
@@ -271,7 +271,7 @@ def test_metrics_status_and_dashboard(server, smollm2):
     assert {s.labels["kind"] for s in after["kvguard_compensation_actions"].samples} >= {"light", "heavy", "rollback"}
     status = _request(port, "GET", "/v1/kvguard/status")[1]
     assert len(status["plan"]) == 30 and status["last_request"]["tokens"] >= 180
-    assert status["requests"]["max_concurrency"] == WORKERS and status["peak_rss_bytes"] > 0
+    assert status["requests"]["max_batch"] == WORKERS and status["peak_rss_bytes"] > 0
     # Every metric the Grafana dashboard plots is one the server exports.
     dashboard = json.loads((DEPLOY / "grafana" / "kvguard-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
@@ -604,3 +604,87 @@ def test_a_profile_that_cannot_serve_stops_the_server_at_start(small_profile_dir
         assert main(argv) == 2, what
         err = capsys.readouterr().err.strip()
         assert err.startswith("kvguard serve: error: ") and "\n" not in err and str(path) in err, (what, err)
+
+
+@pytest.fixture(scope="module")
+def tight_server(small_profile_dir, smollm2, tmp_path_factory):
+    """A KV budget that holds one request of the longest prompt and reply at a time, a queue of one."""
+    from kvguard.profile import Profile
+    from kvguard.serving.scheduler import Sizing
+
+    profile = Profile.load(small_profile_dir, smollm2[0])
+    sizing = Sizing.of(profile.plan, smollm2[0].config, profile.static_scales(), profile.meta.monitor.min_saving_kept)
+    budget = int(1.5 * sizing.reserve(200 + 32))
+    port = _free_port()
+    log = tmp_path_factory.mktemp("tight") / "requests.jsonl"
+    cmd = [sys.executable, "-m", "kvguard", "serve", "--profile", str(small_profile_dir), "--port", str(port),
+           "--api-key", KEY, "--max-batch", "4", "--max-queue", "1", "--kv-budget", str(budget),
+           "--max-prompt-tokens", "200", "--max-new-tokens", "32", "--log-file", str(log)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=kvguard_env(HF_HUB_OFFLINE="1"))
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"kvguard serve exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
+        try:
+            if _request(port, "GET", "/healthz")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.5)
+    yield Server(port, log, proc), budget
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_the_kv_budget_admits_by_memory_and_a_burst_waits_or_gets_429(tight_server, smollm2):
+    (port, log, _), budget = tight_server
+    prompt = _prose(smollm2[1], 150)
+
+    def stream():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": prompt, "max_tokens": 32, "stream": True, "ignore_eos": True}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        return conn, conn.getresponse()
+
+    first, second = stream(), stream()
+    assert first[1].readline().startswith(b"data: ")  # the first is decoding
+    status = _request(port, "GET", "/v1/kvguard/status")[1]
+    # Only one request's reservation fits: the other waits, the reservations stay under the budget.
+    assert status["kv_budget_bytes"] == budget and 0 < status["kv_reserved_bytes"] <= budget
+    assert (status["requests"]["running"], status["requests"]["waiting"]) == (1, 1)
+    # The queue of one is full: a burst gets 429 with Retry-After, never a server out of memory.
+    code, body, resp = _request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert code == 429 and body["error"]["code"] == "server_busy" and resp.getheader("Retry-After") == "1"
+    families = _families(port)
+    assert _value(families["kvguard_kv_budget_bytes"]) == budget
+    assert 0 < _value(families["kvguard_kv_reserved_bytes"]) <= budget
+    for conn, resp in (first, second):  # both finish, one after the other
+        text = resp.read().decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        conn.close()
+    done = [r for r in _log(log) if r["event"] == "request" and r["status"] == "200"]
+    assert len(done) == 2 and all(r["completion_tokens"] == 32 for r in done)
+    # The second waited for the first's memory: its first token came after the first one's last.
+    assert done[1]["ttft_s"] > done[0]["seconds"] - done[0]["ttft_s"]
+    assert _wait_idle(port)["kv_reserved_bytes"] == 0
+
+
+def test_a_slow_body_is_cut_off_and_a_bad_key_is_counted(tight_server):
+    (port, _, _), _ = tight_server
+    before = _value(_families(port)["kvguard_requests"], status="401")
+    assert _request(port, "POST", "/v1/completions", {"prompt": "hi"}, key="wrong")[0] == 401
+    assert _value(_families(port)["kvguard_requests"], status="401") == before + 1
+    # A client that announces a body and trickles it holds no place in the batch, and not even its connection
+    # past --read-timeout (here the default, 30 s: the test only checks the answer, after one byte).
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                 + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    assert _request(port, "GET", "/v1/kvguard/status")[1]["requests"]["waiting"] == 0
+    answer = b""
+    while b"did not arrive" not in answer and (chunk := sock.recv(4096)):  # the headers and the body may come apart
+        answer += chunk
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive" in answer

@@ -64,7 +64,7 @@ def _stop(proc) -> None:
 def server(small_profile_dir):
     port = _free_port()
     cmd = [sys.executable, "-m", "kvguard", "serve", "--profile", str(small_profile_dir), "--port", str(port),
-           "--api-key", KEY, "--max-concurrency", "1", "--max-new-tokens", "32"]
+           "--api-key", KEY, "--max-batch", "1", "--max-new-tokens", "32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=kvguard_env(HF_HUB_OFFLINE="1"))
     _wait("kvguard serve", lambda: _get(f"http://127.0.0.1:{port}/healthz")[0] == 200, 240, proc)
     yield port

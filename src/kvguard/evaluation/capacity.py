@@ -1,9 +1,16 @@
 """Capacity: the largest batch x context each method fits in a process-memory budget, and the real peak RSS of a
-batch x context prefill (8 x 4,096 by default) per method, each measured in a fresh process.
+batch x context run (8 x 4,096 by default) per method, each measured in a fresh process.
+
+The run is what ``kvguard serve`` does with that many requests: each sequence has its own cache, prompts are fed
+:data:`CHUNK` tokens per forward (one sequence's chunk at a time, only the last position's logits computed),
+reading the stored history through the reads' attention (:func:`kvguard.attention.fused_reads`: a tile of it at a
+time, never a copy of all of it), then :data:`DECODE_STEPS` decode steps advance every sequence in one packed
+forward each (:mod:`kvguard.packed`). transformers' own caches (the peers), which cannot be packed, are prefilled as
+one batch of ``B`` rows instead, ``B x`` :data:`CHUNK` tokens per forward.
 
 The prediction is arithmetic over measured quantities (:class:`Footprint`)::
 
-    peak(B, T) = max(load_peak, model_rss + B * (kv(T) + act(T)))
+    peak(B, T) = max(load_peak, model_rss + B * kv(T) + act(T))
 
 - ``model_rss``: the process's resident memory once the model is loaded and every weight has been read once
   (weights, torch, tokenizer);
@@ -11,18 +18,17 @@ The prediction is arithmetic over measured quantities (:class:`Footprint`)::
 - ``kv(T) = kv0 + kv1 * T``: bytes one sequence's cache stores after ``T`` tokens, read from a real cache
   after every chunk of a real prefill and fitted by least squares (exactly linear for kvguard's layouts once
   the FP window is full: every later token is stored once, at its tier).
-- ``act(T) = a0 + a1 * T``: the transient above model and cache while a chunk is prefilled at context ``T``, per
-  sequence (the chunk's hidden states and MLP, attention over ``T`` keys, the dequantized history a read
-  returns), measured as the chunk's RSS high-water mark minus model and stored cache, fitted over the chunks.
+- ``act(T) = a0 + a1 * T``: the transient above model and caches while a chunk is fed at context ``T`` (the chunk's
+  hidden states and MLP, a tile of attention over ``T`` keys), measured as the chunk's RSS high-water mark minus model
+  and stored caches, fitted over the chunks: one forward's worth, whatever the batch (for the peers, whose forward
+  holds every row, it is fitted per sequence instead).
 
 Both are measured by :func:`probe` at a small batch and context (:data:`FIT_BATCH` x :data:`FIT_CONTEXT`), and
 the prediction is checked twice, each time by really running it in a fresh process: at the reported point (batch 8 x
 4,096: there the KV cache dominates), whose peak RSS is the table's measured column, and at the largest batch the fit
 predicts for the budget (``largest``: ``fp16`` and ``int4`` by default), whose peak must lie under the budget and
 near the prediction (``kvguard eval --no-check`` skips both: they prefill hundreds of thousands of tokens, many
-minutes on a few CPU cores). Prefill is chunked (:data:`CHUNK` tokens, only the last position's logits computed) and
-reads the stored history through the reads' attention (:func:`kvguard.attention.fused_reads`: a tile of it at a
-time, never a copy of all of it), then :data:`DECODE_STEPS` decode steps run, as a serving engine does.
+minutes on a few CPU cores).
 
     python -m kvguard.evaluation.capacity --model smollm2-135m --method int4 --batch 2 --context 1024   # one JSON line
 
@@ -89,30 +95,34 @@ class Footprint:
     model_rss: float
     load_peak: float
     kv: Linear  # per sequence, of context
-    act: Linear  # per sequence, of context
+    act: Linear  # of context: per forward, or per sequence where ``act_per_sequence``
+    act_per_sequence: bool = False
 
     def per_sequence(self, context: int) -> float:
-        """Bytes one more sequence of ``context`` tokens adds at the peak: its cache and its activations."""
-        return max(0.0, self.kv(context)) + max(0.0, self.act(context))
+        """Bytes one more sequence of ``context`` tokens adds at the peak."""
+        return max(0.0, self.kv(context)) + (max(0.0, self.act(context)) if self.act_per_sequence else 0.0)
 
     def peak(self, batch: int, context: int) -> float:
-        return max(self.load_peak, self.model_rss + batch * self.per_sequence(context))
+        shared = 0.0 if self.act_per_sequence else max(0.0, self.act(context))
+        return max(self.load_peak, self.model_rss + batch * self.per_sequence(context) + shared)
 
     def max_batch(self, budget: float, context: int) -> int:
         """The largest batch whose predicted peak fits ``budget`` bytes at ``context`` (0: not even one)."""
         if self.peak(1, context) > budget:
             return 0
         per = self.per_sequence(context)
-        return int((budget - self.model_rss) // per) if per > 0 else sys.maxsize
+        shared = 0.0 if self.act_per_sequence else max(0.0, self.act(context))
+        return int((budget - self.model_rss - shared) // per) if per > 0 else sys.maxsize
 
     @classmethod
     def from_probe(cls, row: dict) -> "Footprint":
-        """The fit of one :func:`probe` row (its ``points`` are per-chunk ``[tokens, kv bytes, peak bytes]`` of
-        the whole batch)."""
-        batch, model = row["batch"], row["model_rss"]
-        kv = Linear.fit([(t, b / batch) for t, b, _ in row["points"]])
-        act = Linear.fit([(t, (peak - model - b) / batch) for t, b, peak in row["points"]])
-        return cls(row["method"], model, row["load_peak"], kv, act)
+        """The fit of one :func:`probe` row (its ``points`` are per-chunk ``[tokens of the sequence fed, its cache's
+        bytes, every cache's bytes, peak RSS]``)."""
+        model, per_sequence = row["model_rss"], row.get("act_per_sequence", False)
+        kv = Linear.fit([(t, b) for t, b, _, _ in row["points"]])
+        scale = row["batch"] if per_sequence else 1
+        act = Linear.fit([(t, (peak - model - total) / scale) for t, _, total, peak in row["points"]])
+        return cls(row["method"], model, row["load_peak"], kv, act, per_sequence)
 
 
 # ------------------------------------------------------------------------------------------- the measurement
@@ -151,10 +161,11 @@ class _Meter:
 @torch.no_grad()
 def probe(model_name: str, method_name: str, batch: int, context: int, *, chunk: int = CHUNK,
           decode: int = DECODE_STEPS, profile_path: str | None = None, device: str = "cpu") -> dict:
-    """Prefill ``batch`` sequences of ``context`` held-out tokens in ``chunk``-token pieces through the method's
-    cache, then ``decode`` greedy decode steps; per chunk the tokens so far, the cache's stored bytes and the chunk's
-    RSS high-water mark, and the high-water mark of the decode steps."""
-    from kvguard import attention, data, models
+    """Feed ``batch`` sequences of ``context`` held-out tokens through the method's caches in ``chunk``-token pieces,
+    then ``decode`` greedy decode steps (see the module docstring); per chunk the tokens of the sequence fed, its
+    cache's bytes, every cache's bytes and the chunk's RSS high-water mark, and the decode steps' high-water mark."""
+    from kvguard import data, models
+    from kvguard.cache import KVGuardCache
     from kvguard.evaluation import methods
     from kvguard.profile import Profile
 
@@ -169,26 +180,61 @@ def probe(model_name: str, method_name: str, batch: int, context: int, *, chunk:
         raise ValueError(f"method {method_name!r} has no bare transformers cache to size; capacity takes the static "
                          f"methods and the peers")
     ids = data.token_stream("long", "eval", tok, batch * context).view(batch, context).to(model.device)  # [B, T]
-    cache = method.make_cache(model)
+    caches = [method.make_cache(model)]
+    served = isinstance(caches[0], KVGuardCache)
+    caches += [method.make_cache(model) for _ in range(batch - 1)] if served else []
     gc.collect()
     load_peak, model_rss = meter.peak(), meter.current()
-    points = []
+    run = _served if served else _batched
+    points, decode_peak = run(model, caches, ids, chunk, decode, meter)
+    stored = sum(methods.kv_bytes(c)[0] for c in caches)
+    fp16 = sum(methods.kv_bytes(c)[1] for c in caches)
+    return {"method": method_name, "batch": batch, "context": context, "chunk": chunk, "decode": decode,
+            "act_per_sequence": not served, "base_rss": base_rss, "model_rss": model_rss, "load_peak": load_peak,
+            "points": points, "decode_peak": decode_peak, "kv_bytes": stored, "kv_bytes_ratio": stored / fp16,
+            "peak_rss": max(load_peak, decode_peak, max(p[3] for p in points))}
+
+
+def _served(model, caches, ids, chunk: int, decode: int, meter) -> tuple[list, int]:
+    """As the server feeds them: one sequence's chunk per forward, then every sequence one token per packed forward."""
+    from kvguard import attention, packed
+    from kvguard.evaluation import methods
+
+    points, last = [], []
     with attention.fused_reads(model):
-        for start in range(0, context, chunk):
+        for row, cache in zip(ids, caches):
+            for start in range(0, row.numel(), chunk):
+                meter.reset()
+                # logits_to_keep=1: the chunk's [chunk, vocab] logits would otherwise be the largest activation.
+                logits = model(input_ids=row[start:start + chunk].view(1, -1), cache=cache, use_cache=True,
+                               logits_to_keep=1).logits
+                total = sum(methods.kv_bytes(c)[0] for c in caches)
+                points.append([min(start + chunk, row.numel()), methods.kv_bytes(cache)[0], total, meter.peak()])
+            last.append(logits[0, -1])
+    meter.reset()
+    tokens = torch.stack(last).argmax(-1)  # [B]
+    for _ in range(decode):
+        logits = packed.forward(model, [packed.Piece(c, t.view(1)) for c, t in zip(caches, tokens)])
+        tokens = logits.argmax(-1)
+    return points, meter.peak() if decode else 0
+
+
+def _batched(model, caches, ids, chunk: int, decode: int, meter) -> tuple[list, int]:
+    """A transformers cache: every row in one forward, ``chunk`` tokens of each."""
+    from kvguard import attention
+    from kvguard.evaluation import methods
+
+    cache, points = caches[0], []
+    with attention.fused_reads(model):
+        for start in range(0, ids.shape[1], chunk):
             meter.reset()
-            # logits_to_keep=1: the chunk's [B, chunk, vocab] logits would otherwise be the largest activation.
             logits = model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1).logits
-            points.append([min(start + chunk, context), methods.kv_bytes(cache)[0], meter.peak()])
+            total = methods.kv_bytes(cache)[0]
+            points.append([min(start + chunk, ids.shape[1]), total / ids.shape[0], total, meter.peak()])
         meter.reset()
         for _ in range(decode):
-            token = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-            logits = model(input_ids=token, cache=cache, use_cache=True).logits
-    decode_peak = meter.peak() if decode else 0
-    stored, fp16 = methods.kv_bytes(cache)
-    return {"method": method_name, "batch": batch, "context": context, "chunk": chunk, "decode": decode,
-            "base_rss": base_rss, "model_rss": model_rss, "load_peak": load_peak, "points": points,
-            "decode_peak": decode_peak, "kv_bytes": stored, "kv_bytes_ratio": stored / fp16,
-            "peak_rss": max(load_peak, decode_peak, max(p[2] for p in points))}
+            logits = model(input_ids=logits[:, -1].argmax(-1, keepdim=True), cache=cache, use_cache=True).logits
+    return points, meter.peak() if decode else 0
 
 
 def _page_in(model: torch.nn.Module) -> None:
@@ -279,7 +325,8 @@ def capacity_row(fp: Footprint, budget: float, contexts: tuple[int, ...], batch:
         "method": fp.method,
         "model_rss_mb": fp.model_rss / MIB,
         "kv_mb_per_seq": fp.kv(context) / MIB,
-        "act_mb_per_seq": fp.act(context) / MIB,
+        "act_mb": fp.act(context) / MIB,
+        "act_per_sequence": fp.act_per_sequence,
         "max_batch": {str(t): fp.max_batch(budget, t) for t in contexts},
         "batch": batch,
         "context": context,
@@ -294,7 +341,7 @@ def capacity_row(fp: Footprint, budget: float, contexts: tuple[int, ...], batch:
 def markdown_table(rows: list[dict], budget_gib: float) -> str:
     contexts = next((list(r["max_batch"]) for r in rows if "max_batch" in r), [])
     point = next((f"{r['batch']} x {r['context']}" for r in rows if "batch" in r), "")
-    head = (["method", "model RSS MiB", "KV MiB / seq", "act. MiB / seq"]
+    head = (["method", "model RSS MiB", "KV MiB / seq", "act. MiB (per seq: peers)"]
             + [f"max batch @ {t} ({budget_gib:g} GiB)" for t in contexts]
             + [f"peak {point} predicted MiB", "measured MiB", "vs fp16", "kv_bytes_ratio"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -302,7 +349,8 @@ def markdown_table(rows: list[dict], budget_gib: float) -> str:
         if "error" in r:
             lines.append(f"| {r['method']} | unsupported: {r['error']} |" + " |" * (len(head) - 2))
             continue
-        cells = [r["method"], f"{r['model_rss_mb']:.0f}", f"{r['kv_mb_per_seq']:.1f}", f"{r['act_mb_per_seq']:.1f}"]
+        cells = [r["method"], f"{r['model_rss_mb']:.0f}", f"{r['kv_mb_per_seq']:.1f}",
+                 f"{r['act_mb']:.1f}" + (" / seq" if r["act_per_sequence"] else "")]
         cells += [str(r["max_batch"][t]) for t in contexts]
         cells += [f"{r['predicted_peak_mb']:.0f}"]
         if "measured_peak_mb" in r:

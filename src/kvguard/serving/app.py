@@ -33,6 +33,7 @@ from kvguard.serving.status_page import status_page
 from kvguard.serving.protocol import MAX_BODY_BYTES, RequestError, parse_json
 
 COMPLETIONS, CHAT = "completions", "chat.completions"
+_ENDPOINTS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
 
 
 def _error(err: RequestError) -> Response:
@@ -56,6 +57,9 @@ class BearerAuth:
                     what += " (a key in the query string is not read: URLs end up in logs)"
                 response = _error(RequestError(401, f"{what}: send 'Authorization: Bearer <key>'",
                                                kind="authentication_error", code="invalid_api_key"))
+                # Counted like every other answer: a client with a bad key shows in kvguard_requests_total.
+                scope["app"].state.engine.metrics.requests.labels(_ENDPOINTS.get(scope["path"], scope["path"]),
+                                                                  "401").inc()
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -72,13 +76,22 @@ async def _read_body(request: Request):
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise _too_large(f"{size} bytes")
     raw = bytearray()
-    try:
+
+    async def read() -> None:
         async for chunk in request.stream():
-            raw += chunk
+            raw.extend(chunk)
             if len(raw) > MAX_BODY_BYTES:
                 raise _too_large(f"over {MAX_BODY_BYTES} bytes (chunked)")
+
+    timeout = request.app.state.engine.cfg.read_timeout
+    try:
+        # A client that trickles its body holds a connection, never a place in the batch (admission follows the
+        # body), and not even the connection past the deadline.
+        await asyncio.wait_for(read(), timeout)
     except ClientDisconnect:
         raise RequestError(499, "the client disconnected before sending the whole body") from None
+    except asyncio.TimeoutError:
+        raise RequestError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
     return parse_json(bytes(raw))
 
 
@@ -316,11 +329,13 @@ def serve(cfg: ServeConfig) -> None:
         print(f"[kvguard serve] warning: listening on {cfg.host}, not loopback"
               + ("" if cfg.api_key else " and without --api-key: anyone who can reach it can use it"),
               file=sys.stderr, flush=True)
-    print(f"[kvguard serve] {engine.model_name} with profile {cfg.profile} ({engine.profile.meta.plan_summary()[:60]}"
-          f"...); {cfg.max_concurrency} workers x {engine.torch_threads} torch threads, queue {cfg.max_queue}; "
-          f"http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
+    print(f"[kvguard serve] {engine.model_name} with profile {cfg.profile}, plan {cfg.plan}"
+          f"{' under the feedback loop' if cfg.loop else ''}; up to {cfg.max_batch} requests per forward, "
+          f"{cfg.step_tokens} tokens a step, KV budget {engine.kv_budget / 2**20:.0f} MiB, queue {cfg.max_queue}, "
+          f"{engine.torch_threads} torch threads; http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
+    # timeout_keep_alive: an idle connection is closed after that many seconds.
     uvicorn.run(build_app(engine), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
-    engine.pool.shutdown(wait=False, cancel_futures=True)
+                timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    engine.close()
     if cfg.log_file:
         log.close()

@@ -1,45 +1,43 @@
-"""The engine behind ``kvguard serve``: the model, its profile, a bounded worker pool, one session per request.
+"""The engine behind ``kvguard serve``: the model, its profile, the step scheduler, one session per request.
 
-Every request gets its own :class:`~kvguard.control.session.LiveSession`, so its own quantized cache under the
-full feedback loop, and decodes through the one decode loop (:func:`kvguard.control.decoding.generate`).
-Requests run on a bounded pool of worker threads (``max_concurrency``; torch releases the GIL inside its kernels)
-behind a bounded wait queue (``max_queue``): a request that finds both full is refused at once (429). A client
-that disconnects sets the job's cancel flag; the worker stops at its next token and its cache is freed. The
-model's attention runs through kvguard's harness (:mod:`kvguard.attention`); each worker thread's session
-reaches it through a context variable, so sessions never see each other's state. Before any request, the engine
-decodes a few tokens through one session of the profile: a profile that loads but cannot serve is refused at start.
+Every request gets its own :class:`~kvguard.control.session.LiveSession`, so its own quantized cache under its own
+feedback loop (or the plan's cache alone with ``--no-loop``), and one scheduler thread
+(:mod:`kvguard.serving.scheduler`) advances every request in flight in the same model forward. Admission is by
+memory: a request reserves the KV bytes its plan stores for its prompt and ``max_tokens`` (plus what the loop may
+add, :meth:`Engine.reserve`); it waits while the reservations in flight would pass ``--kv-budget``, and a request
+that finds the wait queue full is refused at once (429 with ``Retry-After``). A client that disconnects sets the
+job's cancel flag; its sequence leaves the batch at the next step and its cache is freed. Before any request, the
+engine decodes a few tokens through one session: a profile that loads but cannot serve is refused at start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import resource
 import sys
 import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from kvguard import attention
-from kvguard.control.decoding import FinishReason
 from kvguard.control.events import Event
-from kvguard.serving.messages import Done, Failed, Message, TextDelta
+from kvguard.serving.messages import Message
 from kvguard.serving.metrics import Metrics
-from kvguard.serving.protocol import GenerationRequest, Limits, RequestError, RequestParser, TextStream
-from kvguard.serving.settings import ServeConfig
+from kvguard.serving.protocol import GenerationRequest, Limits, RequestError, RequestParser
+from kvguard.serving.scheduler import Budget, Scheduler, Sizing
+from kvguard.serving.settings import ServeConfig, kv_budget_bytes
 
 RECENT_EVENTS = 20  # compensation events GET /v1/kvguard/status returns (the newest last)
 
 
 @dataclass
 class Job:
-    """One admitted request on its way through a worker."""
+    """One admitted request on its way through the scheduler."""
 
     id: str
     request: GenerationRequest
@@ -47,18 +45,20 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # of serving.messages.Message, in order
     cancelled: threading.Event = field(default_factory=threading.Event)
-    generated: int = 0  # tokens generated so far (the worker's count)
+    generated: int = 0  # tokens generated so far (the scheduler's count)
     snapshot: dict = field(default_factory=dict)
 
     def put(self, message: Message) -> None:
-        """Hand ``message`` to the request's handler (called from the worker thread)."""
+        """Hand ``message`` to the request's handler (called from the scheduler thread)."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
 
 
 class Engine:
-    """The model, its profile and the bounded worker pool."""
+    """The model, its profile, the plan every request's cache stores, and the scheduler."""
 
     def __init__(self, cfg: ServeConfig, *, log=None) -> None:
+        import os
+
         from kvguard import models
         from kvguard.profile import Profile
 
@@ -69,36 +69,77 @@ class Engine:
         self.model, self.tok = models.load(cfg.model, device=cfg.device)
         self.profile.check_model(self.model)
         self.model_name = self.profile.model_name if cfg.model == self.profile.model_name else cfg.model
-        attention.install(self.model)  # once, before any worker runs: never switched while serving
+        self.plan = self._plan()
+        attention.install(self.model)  # once, before the scheduler runs: never switched while serving
         config = self.model.config
         context = int(getattr(config, "max_position_embeddings", None) or 2048)
         self.parser = RequestParser(self.tok, self.model_name, Limits(cfg.max_prompt_tokens, cfg.max_new_tokens, context))
-        threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // cfg.max_concurrency)
-        torch.set_num_threads(threads)
-        self.torch_threads = threads
+        self.torch_threads = cfg.torch_threads or os.cpu_count() or 1
+        torch.set_num_threads(self.torch_threads)
         monitor = self.profile.meta.monitor
         self.metrics = Metrics(config.num_hidden_layers, monitor.max_trigger_rate, monitor.trigger_rate_steps)
-        self.pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="kvguard-worker")
-        self.admit_lock = threading.Lock()
-        self.admitted = 0
-        self.running = 0
+        self.kv_budget = kv_budget_bytes(cfg.kv_budget)
+        self.sizing = Sizing.of(self.plan, config, self.profile.static_scales(),
+                                self.profile.meta.monitor.min_saving_kept if cfg.loop else None)
+        self.metrics.kv_budget.set(self.kv_budget)
         self.jobs: dict[str, Job] = {}
+        self.admit_lock = threading.Lock()
         self.started = time.time()
         self.totals = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0}
         self.last_summary: dict | None = None
         # The status page lists these; the log and the metrics keep the full history.
         self.recent_events: deque[dict] = deque(maxlen=RECENT_EVENTS)
+        self._check_budget()
         self._rehearse()
+        self.scheduler = Scheduler(self, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens,
+                                   budget=Budget(self.kv_budget, self.reserve))
+        self.scheduler.start()
+
+    def _plan(self):
+        """The plan ``--plan`` names: the profile's, a frontier plan of it, or one tier everywhere."""
+        from kvguard.architecture import Architecture
+        from kvguard.plan import Plan
+
+        name = self.cfg.plan
+        if name == "profile":
+            return self.profile.plan
+        base, at, budget = name.partition("@")
+        if at:
+            try:
+                point = self.profile.meta.frontier_pick(float(budget)) if base == "kvguard" else None
+            except ValueError:
+                point = None
+            if point is None:
+                frontier = [round(c.memory, 3) for c in self.profile.meta.frontier()]
+                raise ValueError(f"--plan {name}: expected kvguard@<bytes ratio> with a frontier plan of the profile at "
+                                 f"or below it (the profile's frontier stores {frontier})")
+            return point.plan
+        try:
+            return Plan.uniform(Architecture.from_config(self.model.config), name, self.profile.plan.cache)
+        except ValueError:
+            raise ValueError(f"--plan must be 'profile', 'kvguard@<bytes ratio>' or one of fp16, int8, int4, int3, "
+                             f"int2; got {name!r}") from None
+
+    def reserve(self, tokens: int) -> int:
+        """The KV bytes one sequence of ``tokens`` tokens may hold (:class:`~kvguard.serving.scheduler.Sizing`)."""
+        return self.sizing.reserve(tokens)
+
+    def _check_budget(self) -> None:
+        """A budget that cannot hold even one request of the longest prompt and reply allowed is refused at start."""
+        need = self.reserve(self.cfg.max_prompt_tokens + self.cfg.max_new_tokens)
+        if need > self.kv_budget:
+            raise ValueError(f"--kv-budget {self.cfg.kv_budget} ({self.kv_budget / 2**20:.0f} MiB) cannot hold one "
+                             f"request of --max-prompt-tokens {self.cfg.max_prompt_tokens} and --max-new-tokens "
+                             f"{self.cfg.max_new_tokens} ({need / 2**20:.1f} MiB): raise it, or lower those")
 
     def _rehearse(self) -> None:
         """Decode once through a full session before serving: a profile that loads but cannot serve (a plan that
         does not fit the model, a classifier the monitor cannot feed, a missing tensor) stops the server at start,
         with one line naming the profile, instead of a /healthz that answers 200 over completions that all fail."""
-        from kvguard.control.session import LiveSession
         from kvguard.profile import ProfileError
 
         try:
-            session = LiveSession.from_profile(self.model, self.profile, sequence_id="startup-check")
+            session = self.session(None)
             # Long enough that tokens leave the full-precision window and two monitoring steps run.
             steps = 2 * session.config.refresh_tokens
             length = min(session.start_step + 1, self.parser.limits.context - steps)
@@ -113,87 +154,55 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
     def admit(self, request: GenerationRequest, loop) -> Job:
+        """Queue ``request`` for the batch; 429 when it would have to wait behind ``--max-queue`` others (for a place in
+        the batch or for KV memory), 400 when it could never fit the budget."""
+        need = self.reserve(len(request.prompt_ids) + request.max_tokens)
+        if need > self.kv_budget:
+            raise RequestError(400, f"this request needs {need / 2**20:.1f} MiB of KV cache, more than the server's "
+                                    f"whole --kv-budget ({self.kv_budget / 2**20:.1f} MiB): shorten the prompt or "
+                                    f"max_tokens", param="max_tokens")
         with self.admit_lock:
-            if self.admitted >= self.cfg.max_concurrency + self.cfg.max_queue:
-                raise RequestError(429, f"the server is at capacity ({self.cfg.max_concurrency} running, "
-                                        f"{self.cfg.max_queue} waiting); retry later",
-                                   kind="rate_limit_error", code="server_busy")
-            self.admitted += 1
-            self.metrics.waiting.set(self.admitted - self.running)
-        job = Job(uuid.uuid4().hex[:24], request, time.time(), loop, asyncio.Queue())
-        self.jobs[job.id] = job
-        future = self.pool.submit(self._run, job)
-        future.add_done_callback(lambda f, job=job: self._release(job, f))
+            ahead = self.scheduler.queued_ahead(need)
+            if ahead is not None and ahead >= self.cfg.max_queue:
+                raise RequestError(429, f"the server is at capacity ({self.scheduler.in_flight} decoding, "
+                                        f"{len(self.scheduler.waiting)} waiting for KV memory or a place in the "
+                                        "batch); retry later", kind="rate_limit_error", code="server_busy")
+            job = Job(uuid.uuid4().hex[:24], request, time.time(), loop, asyncio.Queue())
+            self.jobs[job.id] = job
+            self.scheduler.submit(job, need)
         return job
 
-    def _release(self, job: Job, future) -> None:
-        with self.admit_lock:
-            self.admitted -= 1
-            self.metrics.waiting.set(self.admitted - self.running)
-        self.jobs.pop(job.id, None)
-        self._publish_live()
-        error = future.exception()
-        if error is not None:  # _run reports its own errors; this is a bug in it
-            job.put(Failed(f"internal error: {error}"))
-
-    # ------------------------------------------------------------------ one request
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():  # the client left while the request waited
-            job.put(Done(FinishReason.CANCELLED, 0))
-            return
-        with self.admit_lock:
-            self.running += 1
-            self.metrics.in_flight.set(self.running)
-            self.metrics.waiting.set(self.admitted - self.running)
-        session = None
-        try:
-            session = self._session(job)
-            self._decode(job, session)
-        except Exception as err:  # noqa: BLE001 - reported to the client and the log, the server keeps going
-            job.put(Failed(f"{type(err).__name__}: {err}"))
-        finally:
-            with self.admit_lock:
-                self.running -= 1
-                self.metrics.in_flight.set(self.running)
-            if session is not None:
-                self.last_summary = session.summary()
-            job.snapshot = {}
-            del session  # frees the cache now, not when the thread is reused
-
-    def _session(self, job: Job):
+    def session(self, job: Job | None):
+        """A fresh session for ``job`` (``None``: the start-up rehearsal): the plan's cache, the loop per
+        ``--loop``."""
         from kvguard.control.session import LiveSession
 
-        return LiveSession.from_profile(self.model, self.profile, sequence_id=job.id,
+        if job is None:
+            return LiveSession.from_profile(self.model, self.profile, self.plan, sequence_id="startup-check",
+                                            monitor=self.cfg.loop)
+        return LiveSession.from_profile(self.model, self.profile, self.plan, sequence_id=job.id,
                                         on_event=lambda e, job=job: self._on_event(job, e),
-                                        on_step=self.metrics.monitoring_step)
+                                        on_step=self.metrics.monitoring_step, monitor=self.cfg.loop)
 
-    def _decode(self, job: Job, session) -> None:
-        r = job.request
-        text = TextStream(self.tok, r.stop)
-        first_token_at = None
+    def snapshot(self, job: Job, session) -> None:
+        """Publish an in-flight request's bytes and level (every few tokens)."""
+        job.snapshot = _snapshot(session)
+        self._publish_live()
 
-        def on_token(token: int) -> bool:
-            nonlocal first_token_at
-            job.generated += 1
-            if first_token_at is None:
-                first_token_at = time.time()
-            delta = text.add(token)
-            if delta:
-                job.put(TextDelta(delta))
-            if job.generated % 8 == 0:
-                job.snapshot = _snapshot(session)
-                self._publish_live()
-            return text.stopped
-
-        out = session.generate(torch.tensor(r.prompt_ids), r.max_tokens, sampler=r.sampler,
-                               eos_token_id=None if r.ignore_eos else self.tok.eos_token_id, on_token=on_token,
-                               should_stop=job.cancelled.is_set)
-        rest = text.flush() if out.finish_reason is not FinishReason.CANCELLED else ""
-        if rest:
-            job.put(TextDelta(rest))
-        summary = session.summary()
+    def finished(self, job: Job, session, summary: dict) -> None:
+        self.last_summary = summary
         self.metrics.finished(session)
-        job.put(Done(out.finish_reason, len(out.tokens), summary, first_token_at, time.time()))
+
+    def released(self, job: Job) -> None:
+        """``job`` left the batch (or never entered it): forget it."""
+        job.snapshot = {}
+        self.jobs.pop(job.id, None)
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.in_flight.set(self.scheduler.in_flight)
+        self._publish_live()
+
+    def close(self) -> None:
+        self.scheduler.stop()
 
     def _on_event(self, job: Job, event: Event) -> None:
         self.metrics.event(event)
@@ -230,8 +239,8 @@ class Engine:
             print(line, file=self.log_stream, flush=True)
 
     def status(self) -> dict:
-        plan = self.profile.plan
-        # Each job's snapshot read once: a worker replaces it (and clears it at the end) meanwhile.
+        plan = self.plan
+        # Each job's snapshot read once: the scheduler replaces it (and clears it at the end) meanwhile.
         jobs = [(j, j.snapshot) for j in list(self.jobs.values())]
         jobs = [(j, s) for j, s in jobs if s]
         stored = sum(s["kv_bytes"] for _, s in jobs)
@@ -244,8 +253,12 @@ class Engine:
             "uptime_s": round(time.time() - self.started, 1),
             "plan": [[p.value for p in lp.precision] for lp in plan.layers],
             "monitored_layers": list(self.profile.meta.monitor.layers or []),
-            "requests": {"running": self.running, "waiting": self.admitted - self.running,
-                         "max_concurrency": self.cfg.max_concurrency, "max_queue": self.cfg.max_queue, **self.totals},
+            "requests": {"running": self.scheduler.in_flight, "waiting": len(self.scheduler.waiting),
+                         "max_batch": self.cfg.max_batch, "max_queue": self.cfg.max_queue, **self.totals},
+            "plan_name": self.cfg.plan,
+            "loop": self.cfg.loop,
+            "kv_budget_bytes": self.kv_budget,
+            "kv_reserved_bytes": self.scheduler.reserved,
             "active": [{"id": j.id, "generated": j.generated, **s} for j, s in jobs],
             "rollback_level": max((s["level"] for _, s in jobs), default=0),
             "trigger_rate": m.rate,
@@ -260,6 +273,7 @@ class Engine:
             "recent_events": list(self.recent_events),
             "torch_threads": self.torch_threads,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_bytes": _rss(),
         }
 
 
@@ -280,3 +294,12 @@ def _memory(snaps: list[dict]) -> dict:
     total = {k: sum(s["memory"][k] for s in snaps) for k in keys}
     total["memory_saved"] = 1 - total["ram_bytes"] / total["fp16_bytes"] if total["fp16_bytes"] else 0.0
     return total
+
+
+def _rss() -> int:
+    """The process's resident memory now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0

@@ -75,8 +75,17 @@ class Metrics:
         self.prompt = Counter("kvguard_prompt_tokens", "Prompt tokens processed", registry=r)
         self.throughput = Gauge("kvguard_decode_tokens_per_second", "Tokens/s of the last finished request "
                                 "(first token to last)", registry=r)
-        self.in_flight = Gauge("kvguard_requests_running", "Requests decoding now", registry=r)
-        self.waiting = Gauge("kvguard_requests_waiting", "Requests admitted and waiting for a worker", registry=r)
+        self.in_flight = Gauge("kvguard_requests_running", "Requests in the batch now (prefilling or decoding)",
+                               registry=r)
+        self.waiting = Gauge("kvguard_requests_waiting", "Requests queued for KV memory or a place in the batch",
+                             registry=r)
+        self.batch_size = Gauge("kvguard_batch_size", "Sequences fed by the last model forward", registry=r)
+        self.kv_reserved = Gauge("kvguard_kv_reserved_bytes", "KV bytes the requests in the batch have reserved "
+                                 "against the budget", registry=r)
+        self.kv_budget = Gauge("kvguard_kv_budget_bytes", "The KV bytes the requests in flight may hold (--kv-budget)",
+                               registry=r)
+        self.itl = Histogram("kvguard_inter_token_latency_seconds", "Time between two tokens of one request",
+                             buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4), registry=r)
         self.max_trigger_gauge = Gauge("kvguard_max_trigger_rate", "The profile's trigger-rate ceiling (the 5 % line)",
                                        registry=r)
         self.max_trigger_gauge.set(max_trigger_rate)
