@@ -142,7 +142,7 @@ def render_page(url: str, *, screenshot=None, wait_ms: int = 4000, size: str = "
 
 
 def screenshot_dir(tmp_path):
-    """Where page checks put their screenshots: ``$KVGUARD_SCREENSHOTS`` (benchmarks/pages.sh sets
+    """Where page checks put their screenshots: ``$KVGUARD_SCREENSHOTS`` (`benchmarks/run.sh pages` sets
     benchmarks/results) or the test's temporary folder."""
     import os
     from pathlib import Path

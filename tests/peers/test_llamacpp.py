@@ -75,7 +75,7 @@ def test_deltas_are_against_each_rows_own_reference_windows_combined():
 
 def test_missing_llama_cpp_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
-    with pytest.raises(PeerUnsupported, match=r"pip install llama-cpp-python==0\.3\.36.*`make`"):
+    with pytest.raises(PeerUnsupported, match=r"pip install llama-cpp-python==0\.3\.36.*`make peers`"):
         llamacpp.score(Path("model.gguf"), torch.arange(8), llamacpp.SPECS["llamacpp-q4_0"])
 
 
