@@ -1,37 +1,58 @@
 # Two commands do all set-up: `make run` and `make test`. Both create .venv if missing and install
-# everything from this repo's files (idempotent: a stamp file records what was installed).
+# everything from this repo's files (idempotent: a stamp file records what was installed). `make run` installs what
+# the main job needs; `make test` also installs the llama.cpp peer (`make peers`), built once per machine.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvguard-installed
+PEERS_STAMP := $(VENV)/.kvguard-peers-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install tools engines clean
+.PHONY: run test install peers tools engines clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvguard run
 
-test: $(STAMP) tools
+test: $(STAMP) $(PEERS_STAMP) tools
 	$(PY) -m pytest -q
 
 install: $(STAMP)
 
-# llama.cpp (requirements-peers.txt) is built for any x86-64 with AVX2 (GGML_NATIVE=OFF), not for this CPU: a native
-# build uses AMX where the CPU lists it, and a VM that lists AMX without granting it kills the process with an illegal
-# instruction (seen here: libggml-cpu's tileloadd under the llamacpp tests). --no-cache-dir because pip's wheel cache
-# does not key on CMAKE_ARGS: a native wheel built earlier on the machine would be reused.
-
-$(STAMP): requirements.txt requirements-ray.txt requirements-peers.txt src/kvguard/assets.py pyproject.toml src/kvguard/fused_attention.cpp
+$(STAMP): requirements.txt requirements-ray.txt src/kvguard/assets.py pyproject.toml src/kvguard/fused_attention.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q -r requirements-ray.txt
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q --no-cache-dir -r requirements-peers.txt || echo "make: llama-cpp-python could not be built (it needs cmake and a C++ compiler): the llamacpp-* methods will say so"
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m kvguard.fused_attention --build || echo "make: the fused decode attention could not be built (it needs g++ and ninja): decoding will dequantize the cache at every step"
 	$(PY) -m kvguard install-assets -- -q
 	touch $(STAMP)
+
+# The llama.cpp peer (requirements-peers.txt; only the llamacpp-* methods of `kvguard eval` use it). llama-cpp-python
+# compiles llama.cpp from source (~10-14 minutes on 2 cores), so it is built once per machine into a local wheelhouse
+# keyed by its version and build flags, and every venv installs it from there (seconds).
+# It is built for any x86-64 with AVX2 (GGML_NATIVE=OFF), not for this CPU: a native build uses AMX where the CPU lists
+# it, and a VM that lists AMX without granting it kills the process with an illegal instruction (seen here:
+# libggml-cpu's tileloadd under the llamacpp tests). --no-cache-dir because pip's wheel cache does not key on
+# CMAKE_ARGS: a native wheel built earlier on the machine would be reused; the wheelhouse's name does key on them.
+LLAMA_CPP_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' requirements-peers.txt)
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF
+WHEELHOUSE ?= $(or $(KVGUARD_HOME),$(HOME)/.cache/kvguard)/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell printf '%s' '$(LLAMA_CPP_CMAKE_ARGS)' | sha256sum | cut -c1-12)
+PEERS_FROM_WHEELHOUSE := $(PY) -m pip install -q --no-index --find-links $(WHEELHOUSE) -r requirements-peers.txt
+
+peers: $(PEERS_STAMP)
+
+# Installed from the wheelhouse where it holds a wheel for this Python; otherwise built into it first (the wheel and
+# its dependencies' wheels, so that the install needs no index). Without cmake and a C++ compiler the build fails,
+# the llamacpp-* rows say what to install, and the next `make test` tries again.
+$(PEERS_STAMP): $(STAMP) requirements-peers.txt
+	@if $(PEERS_FROM_WHEELHOUSE) 2>/dev/null; then echo "make: llama-cpp-python $(LLAMA_CPP_VERSION) from $(WHEELHOUSE)"; \
+	elif mkdir -p $(WHEELHOUSE) && echo "make: building llama-cpp-python $(LLAMA_CPP_VERSION) into $(WHEELHOUSE) (once per machine, ~10-14 minutes)" \
+	  && CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip wheel -q --no-cache-dir -w $(WHEELHOUSE) -r requirements-peers.txt \
+	  && $(PEERS_FROM_WHEELHOUSE); then :; \
+	else echo "make: llama-cpp-python could not be built (it needs cmake and a C++ compiler): the llamacpp-* methods will say so"; exit 0; fi; \
+	touch $(PEERS_STAMP)
 
 # Debian's chromium and prometheus for the page checks (the tests skip, saying why, without them). Idempotent:
 # nothing happens where both are installed, or where apt-get is not usable (not root, no apt).

@@ -21,6 +21,15 @@ def small_config(out, **kw):
     return CalibrationConfig("smollm2-135m", out, **settings)
 
 
+def eval_row(method: str, corpus: str, mode: str, kv_bytes: int, kv_bytes_ratio: float, ppl: float,
+             ppl_delta_pct: float | None, kl: float, top1_agree: float, tok_s: float, **more):
+    """A ``kvguard eval`` row (:class:`kvguard.evaluation.harness.Row`) from its leading numbers, in table order."""
+    from kvguard.evaluation.harness import Row
+
+    return Row(method, corpus, mode, kv_bytes=kv_bytes, kv_bytes_ratio=kv_bytes_ratio, ppl=ppl,
+               ppl_delta_pct=ppl_delta_pct, kl=kl, top1_agree=top1_agree, tok_s=tok_s, **more)
+
+
 def candidate(name: str, plan: Plan, *, level: int = 1, memory: float = 0.4, kl: float = 1e-3,
               ppl: float = 0.1, feasible: bool = True) -> Candidate:
     return Candidate(name, level, plan, memory, 1.0, PlanScore(kl, {"prose": ppl}, 0.99), memory + ppl, feasible)
@@ -133,7 +142,7 @@ def render_page(url: str, *, screenshot=None, wait_ms: int = 4000, size: str = "
 
 
 def screenshot_dir(tmp_path):
-    """Where page checks put their screenshots: ``$KVGUARD_SCREENSHOTS`` (benchmarks/pages.sh sets
+    """Where page checks put their screenshots: ``$KVGUARD_SCREENSHOTS`` (`benchmarks/run.sh pages` sets
     benchmarks/results) or the test's temporary folder."""
     import os
     from pathlib import Path

@@ -149,3 +149,60 @@ def test_no_module_shadows_the_standard_library():
 def test_public_api_is_re_exported():
     for name in ("KVGuardCache", "CacheConfig", "Precision", "Plan", "Profile", "LiveSession", "load"):
         assert getattr(kvguard, name) is not None
+
+
+def _kvguard_names(tree) -> set[str]:
+    """The local names a script binds to kvguard modules or to what it imported from them."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "kvguard"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kvguard":
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _root(node: ast.expr) -> str | None:
+    """``a`` of ``a.b.c``: the name an attribute chain starts from (None for a call's result and the like)."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _private_uses(tree) -> list[str]:
+    """What a script takes from kvguard that is not public API, or patches in it: an imported name starting with
+    ``_``, an attribute starting with ``_`` of a kvguard name, an assignment to a kvguard name's attribute."""
+    bound = _kvguard_names(tree)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kvguard":
+            out += [f"from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+            out += [f"from {node.module} import ..." for part in node.module.split(".") if part.startswith("_")]
+        elif isinstance(node, ast.Attribute) and _root(node) in bound:
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                out.append(ast.unparse(node))
+            if isinstance(node.ctx, ast.Store):
+                out.append(f"{ast.unparse(node)} = ...")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in bound:
+            out.append(f"setattr({node.args[0].id}, ...)")
+    return out
+
+
+def test_benchmarks_use_the_public_api():
+    """Benchmarks measure kvguard as a user runs it: no private name of kvguard imported or reached into, and no
+    kvguard module patched (an experiment that needs to is history: benchmarks/DECISIONS.md)."""
+    repo = ROOT.parent.parent
+    scripts = sorted((repo / "benchmarks").glob("*.py"))
+    assert scripts, "no benchmark scripts found"
+    offenders = [f"{path.name}: {use}" for path in scripts for use in _private_uses(ast.parse(path.read_text()))]
+    assert offenders == []
+
+
+def test_the_private_use_check_sees_imports_attributes_and_patches():
+    tree = ast.parse("from kvguard.quantizer import _grid\nfrom kvguard import simulate as s\n"
+                     "import kvguard.fused_attention\ns._quantized_copy(1)\ns.simulate_logits = None\n"
+                     "setattr(s, 'x', 1)\nkvguard.fused_attention._codes\nself._stop = 1\n")
+    assert sorted(_private_uses(tree)) == sorted(["from kvguard.quantizer import _grid", "s._quantized_copy",
+                                                  "s.simulate_logits = ...", "setattr(s, ...)",
+                                                  "kvguard.fused_attention._codes"])

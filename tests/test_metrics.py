@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvguard.metrics import TokenMetrics, alarm_quality
+from kvguard.metrics import TokenMetrics, alarm_quality, quantile
 
 
 def test_hand_computed_nll_kl_top1():
@@ -17,6 +17,36 @@ def test_hand_computed_nll_kl_top1():
     # KL(ref || p) at position 0: .5 log(.5/.25) + .25 log(.25/.5) = .25 log 2; position 1: 0.
     assert m.kl == pytest.approx(0.25 * math.log(2) / 2)
     assert m.top1_agree == 0.5
+
+
+def test_hand_computed_kl_tail():
+    # Reference [.5, .25, .25] at four positions; the method predicts it exactly at two of them, [.25, .5, .25] at one
+    # (KL .25 log 2, as above) and [.125, .4375, .4375] at another: .5 log 4 + .5 log(.25 / .4375) = 2 log 2 - .5 log 7.
+    ref = torch.log(torch.tensor([[0.5, 0.25, 0.25]] * 4, dtype=torch.float64))
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.125, 0.4375, 0.4375]],
+                                    dtype=torch.float64))
+    m = TokenMetrics()
+    m.add(logits[:3], torch.zeros(3, dtype=torch.long), ref[:3])  # two slices: the tail covers both, in order
+    m.add(logits[3:], torch.zeros(1, dtype=torch.long), ref[3:])
+    a, b = 0.25 * math.log(2), 2 * math.log(2) - 0.5 * math.log(7)
+    assert m.token_kl.tolist() == pytest.approx([0.0, a, 0.0, b], abs=1e-6)
+    assert m.kl == pytest.approx((a + b) / 4)
+    # Sorted 0, 0, a, b: the 0.99 quantile at rank 0.99 * 3 = 2.97, between a and b; 0.999 at 2.997.
+    assert m.kl_p99 == pytest.approx(a + 0.97 * (b - a), rel=1e-6)
+    assert m.kl_p999 == pytest.approx(a + 0.997 * (b - a), rel=1e-6)
+    assert m.kl_max == pytest.approx(b, rel=1e-6)
+
+
+def test_quantile_interpolates_between_order_statistics():
+    values = torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert quantile(values, 0.0) == 1.0 and quantile(values, 1.0) == 5.0 and quantile(values, 0.5) == 3.0
+    assert quantile(values, 0.9) == pytest.approx(4.6)  # rank 3.6: 4 + 0.6 * (5 - 4)
+    assert quantile(torch.tensor([7.0]), 0.99) == 7.0
+    assert quantile(values, 0.99) == pytest.approx(float(torch.quantile(values.double(), 0.99)))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        quantile(values, 1.5)
+    with pytest.raises(ValueError, match="no values"):
+        quantile(torch.tensor([]), 0.5)
 
 
 def test_identical_distributions_score_zero_kl_and_full_agreement():
@@ -56,6 +86,7 @@ def test_metrics_without_reference_and_shape_errors():
     m = TokenMetrics()
     m.add(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
     assert m.ppl == pytest.approx(8.0) and m.kl is None and m.top1_agree is None
+    assert m.token_kl is None and m.kl_p99 is None and m.kl_max is None
     with pytest.raises(ValueError, match="predictions"):
         m.add(torch.zeros(3, 8), torch.zeros(4, dtype=torch.long))
 

@@ -1,5 +1,5 @@
 """The Triton decode kernel against the layer's ``materialize()`` + plain softmax: in Triton's interpreter on CPU
-(here and in CI), or compiled on a CUDA GPU when ``TRITON_INTERPRET=0`` and torch sees one (`benchmarks/gpu_checks.sh`).
+(here and in CI), or compiled on a CUDA GPU when ``TRITON_INTERPRET=0`` and torch sees one (`TRITON_INTERPRET=0 python -m pytest tests/test_triton_attention.py`).
 
 The kernel's reading of the codes is compared bit for bit; the attention to float32 summation order (tiled dot
 products, online softmax, log-sum-exp merges; rotated heads also round differently, the query being rotated

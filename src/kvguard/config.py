@@ -39,13 +39,13 @@ class CacheConfig:
         value_group_size: channels per value scale when values group differently from keys (``None``: as
             ``group_size``). Values are quantized per token, so a wider group adds no full-precision tokens: it
             only thins the scales (with the values rotated, measured on Gemma 3's calibration text at INT3, 64
-            channels instead of 32 cost at most 4 % more KL for 5 % fewer bytes; ``benchmarks/README.md``).
+            channels instead of 32 cost at most 4 % more KL for 5 % fewer bytes; ``benchmarks/DECISIONS.md``).
         window_bits: 16 keeps the window in ``fp_dtype``; 8 stores it as the INT8 tier does (one calibrated scale
             per KV head and channel, symmetric, over :data:`WINDOW_HEADROOM` times the calibrated range: 8 bits a
             value and no scale bytes per token), which needs calibrated static scales. The newest token is still
             read as computed; tokens leave the window from their 8-bit copy. Below 4 bits a 16-bit window is a
             large share of the bytes (13 % of all-INT3 on Gemma 3 at 2,048 tokens); the 8-bit one adds a nearly
-            fixed error, since the recent tokens draw most of the attention (``benchmarks/README.md``).
+            fixed error, since the recent tokens draw most of the attention (``benchmarks/DECISIONS.md``).
         fp_dtype: storage dtype of full-precision parts (window, sinks, ``fp16`` tiers, recomputed overlay):
             ``float16`` (what a serving engine stores), ``bfloat16``, ``float32``, or ``model`` (the dtype
             the model computes in; bit-exact with ``DynamicCache``).
@@ -57,7 +57,7 @@ class CacheConfig:
             (:mod:`kvguard.quantizer`); the format is unchanged, quantizing takes a few times longer. INT4 and
             float16-scaled INT3 keep ``[min, max]``: there the searched grid clips the large values attention
             needs, and on SmolLM2's calibration text (rotated, fixed uniform plans) it raised the KL by 3-19 %
-            (``benchmarks/scale_bytes.py``), while it cut INT2's by 27-46 % and one-byte INT3's by 7-28 %.
+            (``benchmarks/scale_bytes.py``, in the history: commit 84c46f2), while it cut INT2's by 27-46 % and one-byte INT3's by 7-28 %.
         key_clip / value_clip: default clipping ratios (calibration sets per-layer ones).
         score_correction: subtract the softmax bias that rounding noise adds to the scores of keys stored below
             INT8 (:mod:`kvguard.score_bias`; no storage). Applied where attention reads the codes: the fused
@@ -152,7 +152,7 @@ class Demotion(str, Enum):
     ``risk``: also after ``demote_steps`` quiet steps at or below ``demote_risk``. The classifier reads the
     layer's K/V error at the tier it is stored at now, so a promotion lowers the very risk this rule watches:
     measured on calibration dialog over SmolLM2's aggressive plan, demoting on low risk gave back 2-4 points of
-    the KL gap the loop had recovered (benchmarks/README.md, "Promotions that stay")."""
+    the KL gap the loop had recovered (benchmarks/DECISIONS.md, "Should a promotion stay")."""
 
     BUDGET = "budget"
     RISK = "risk"

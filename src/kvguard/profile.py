@@ -130,7 +130,7 @@ class Candidate:
 
 # How much lower (in ln KL) a ranked candidate's ranking KL has to be than the held-out pick's to replace it: twice the
 # standard error of the ranking's ln KL ratio between close candidates from one stream per domain, measured on twelve
-# further 2,048-token streams of SmolLM2's calibration text (benchmarks/ranking_noise.py: a median spread of 0.157
+# further 2,048-token streams of SmolLM2's calibration text (benchmarks/ranking_noise.py, in the history: commit e534271; a median spread of 0.157
 # within a domain, / sqrt(3) domains). A smaller margin is within what another stream of the same text would reverse.
 RANKING_MARGIN = 0.18
 

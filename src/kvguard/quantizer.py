@@ -29,7 +29,7 @@ Two options of the asymmetric tiers (``QuantSpec``):
   Gaussian spans about 3 standard deviations, the range of 32 samples about 4. Measured on SmolLM2's calibration
   text (rotated, groups of 32, float16 scales, an earlier set of six shrinkings down to 0.75): squared error -35 %
   (INT2 keys), -34 % (INT2 values), -15 % / -15 % (INT3). Squared error is not attention's error: at INT4, and at
-  INT3 with float16 scales, it raised the KL (``benchmarks/scale_bytes.py``), so a cache layout applies it to INT2
+  INT3 with float16 scales, it raised the KL (``benchmarks/scale_bytes.py``, in the history: commit 84c46f2), so a cache layout applies it to INT2
   and one-byte INT3 only (``CacheConfig.quant_spec``). The stored format is the same; only the encoder chooses
   differently.
 

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
-from kvguard.metrics import TokenMetrics
+from kvguard.metrics import TokenMetrics, quantile
 
 # Logits are turned into metrics this many positions at a time (bounds memory for 262k-token vocabularies).
 _SLICE = 256
@@ -39,6 +39,8 @@ class StreamScore:
         top1_agree: arg-max agreement with the reference, else ``None``.
         seconds: wall time of the model passes.
         logits: ``[tokens - 1, vocab]`` float32 next-token logits when kept, else ``None``.
+        token_kl: ``[tokens - 1]`` float32, the KL at each prediction when a reference was given, else ``None``
+            (its tail: :attr:`kl_p99`, :attr:`kl_p999`, :attr:`kl_max`).
     """
 
     nll: float
@@ -47,10 +49,23 @@ class StreamScore:
     top1_agree: float | None = None
     seconds: float = 0.0
     logits: torch.Tensor | None = None
+    token_kl: torch.Tensor | None = None
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll)
+
+    @property
+    def kl_p99(self) -> float | None:
+        return None if self.token_kl is None else quantile(self.token_kl, 0.99)
+
+    @property
+    def kl_p999(self) -> float | None:
+        return None if self.token_kl is None else quantile(self.token_kl, 0.999)
+
+    @property
+    def kl_max(self) -> float | None:
+        return None if self.token_kl is None else quantile(self.token_kl, 1.0)
 
 
 def _check(ids: torch.Tensor) -> torch.Tensor:
@@ -86,7 +101,7 @@ class _Scorer:
         seconds = time.perf_counter() - self.t0 if seconds is None else seconds
         logits = torch.cat(self.kept) if self.kept else None
         m = self.metrics
-        return StreamScore(m.nll, self.ids.numel(), m.kl, m.top1_agree, seconds, logits)
+        return StreamScore(m.nll, self.ids.numel(), m.kl, m.top1_agree, seconds, logits, m.token_kl)
 
 
 @torch.no_grad()

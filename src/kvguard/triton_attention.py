@@ -182,11 +182,11 @@ def _part_attention_kernel(
 
 @dataclass(frozen=True)
 class Launch:
-    """How the attention kernel is launched. ``benchmarks/triton_decode.py --sweep`` times the alternatives on a
-    GPU; :data:`LAUNCH` is what runs.
+    """How the attention kernel is launched. ``benchmarks/triton_decode.py --sweep`` (in the history: commit 89134cf) timed the
+    alternatives on a GPU; :data:`LAUNCH` is what runs.
 
     The defaults are the fastest of 36 configurations timed on an H200 for the INT4 part of a SmolLM2-shaped
-    layer at 32k tokens (geometric mean over batch 1 and 64; ``benchmarks/README.md``): 3.2x faster than the
+    layer at 32k tokens (geometric mean over batch 1 and 64; ``benchmarks/DECISIONS.md``): 3.2x faster than the
     first ones (64 tokens, 4 warps, Triton's default stages, 2 programs per multiprocessor, ``tl.dot``) at batch
     64, as fast at batch 1.
 

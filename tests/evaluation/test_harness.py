@@ -6,9 +6,11 @@ import pytest
 
 from kvguard import cli
 from kvguard.evaluation import harness, methods
+from tests.helpers import eval_row
 
-FIELDS = {"method", "corpus", "mode", "kv_bytes", "kv_bytes_ratio", "ppl", "ppl_delta_pct", "kl", "top1_agree",
-          "tok_s", "trigger_rate", "recompute_fraction", "error"}
+FIELDS = {"method", "corpus", "mode", "kv_bytes", "kv_bytes_ratio", "ppl", "ppl_delta_pct", "kl", "kl_p99", "kl_p999",
+          "kl_max", "top1_agree", "tok_s", "trigger_rate", "recompute_fraction", "ram_bytes_ratio", "disk_bytes_ratio",
+          "error"}
 
 
 def test_unknown_method_lists_valid_ones(capsys):
@@ -21,7 +23,7 @@ def test_unknown_method_lists_valid_ones(capsys):
 
 
 def test_markdown_table_marks_unsupported_rows():
-    rows = [harness.Row("fp16", "prose", "simulated", 10, 1.0, 5.0, 0.0, 0.0, 1.0, 100.0),
+    rows = [eval_row("fp16", "prose", "simulated", 10, 1.0, 5.0, 0.0, 0.0, 1.0, 100.0),
             harness.Row("hf-quanto-4", "prose", "streamed", error="refuses sliding layers")]
     table = harness.markdown_table(rows).splitlines()
     assert table[0].count("|") == table[1].count("|") == table[2].count("|")
@@ -31,11 +33,11 @@ def test_markdown_table_marks_unsupported_rows():
 def test_windows_combine_by_mean_nll():
     import math
 
-    w1 = [harness.Row("fp16", "prose", "simulated", 10, 1.0, 10.0, 0.0, 0.0, 1.0, 100.0),
-          harness.Row("int4", "prose", "simulated", 4, 0.4, 11.0, 10.0, 0.02, 0.9, 80.0),
+    w1 = [eval_row("fp16", "prose", "simulated", 10, 1.0, 10.0, 0.0, 0.0, 1.0, 100.0),
+          eval_row("int4", "prose", "simulated", 4, 0.4, 11.0, 10.0, 0.02, 0.9, 80.0),
           harness.Row("hf-quanto-4", "prose", "streamed", error="refused")]
-    w2 = [harness.Row("fp16", "prose", "simulated", 10, 1.0, 40.0, 0.0, 0.0, 1.0, 120.0),
-          harness.Row("int4", "prose", "simulated", 4, 0.4, 40.0, 0.0, 0.04, 0.8, 100.0),
+    w2 = [eval_row("fp16", "prose", "simulated", 10, 1.0, 40.0, 0.0, 0.0, 1.0, 120.0),
+          eval_row("int4", "prose", "simulated", 4, 0.4, 40.0, 0.0, 0.04, 0.8, 100.0),
           harness.Row("hf-quanto-4", "prose", "streamed", error="refused")]
     fp16, int4, peer = harness.combine_windows([w1, w2])
     assert math.isclose(fp16.ppl, 20.0) and math.isclose(int4.ppl, math.sqrt(11.0 * 40.0))
@@ -43,6 +45,25 @@ def test_windows_combine_by_mean_nll():
     assert math.isclose(int4.kl, 0.03) and math.isclose(int4.top1_agree, 0.85) and peer.error == "refused"
     with pytest.raises(ValueError, match="same methods"):
         harness.combine_windows([w1, w2[::-1]])
+
+
+def test_windows_combine_the_kl_tail_over_every_token_and_the_json_leaves_the_tokens_out():
+    import torch
+
+    def window(values):
+        row = eval_row("int4", "prose", "simulated", 4, 0.4, 11.0, 0.0, sum(values) / len(values), 0.9, 80.0)
+        harness._set_tail(row, torch.tensor(values))
+        return [eval_row("fp16", "prose", "simulated", 10, 1.0, 10.0, 0.0, 0.0, 1.0, 100.0), row]
+
+    _, int4 = harness.combine_windows([window([0.1, 0.2]), window([0.9, 0.3])])
+    # Sorted 0.1 0.2 0.3 0.9: p99 at rank 0.99 * 3 = 2.97, 0.3 + 0.97 * 0.6; p99.9 at 2.997; max 0.9.
+    assert int4.kl_p99 == pytest.approx(0.3 + 0.97 * 0.6) and int4.kl_p999 == pytest.approx(0.3 + 0.997 * 0.6)
+    assert int4.kl_max == pytest.approx(0.9) and int4.kl == pytest.approx(0.375)
+    results = harness.rows_payload("m", 2, 1, [int4])["results"]
+    assert set(results[0]) == FIELDS and results[0]["kl_max"] == pytest.approx(0.9)
+    json.dumps(results)  # plain numbers only
+    table = harness.markdown_table([int4]).splitlines()
+    assert "| kl | kl_p99 | kl_p999 | kl_max |" in table[0] and "| 0.37500 | 0.8820 | 0.8982 | 0.9000 |" in table[2]
 
 
 @pytest.mark.slow
@@ -61,9 +82,10 @@ def test_eval_json_contract_and_fp16_reference(tmp_path, capsys):
     for r in rows:
         assert set(r) == FIELDS and r["error"] is None
         assert r["ppl"] > 1 and r["kl"] >= 0 and 0 <= r["top1_agree"] <= 1 and r["tok_s"] > 0
+        assert r["kl_max"] >= r["kl_p999"] >= r["kl_p99"] >= 0 and r["kl_max"] >= r["kl"]
         assert r["trigger_rate"] is None and r["recompute_fraction"] is None
         if r["method"] == "fp16":
-            assert r["ppl_delta_pct"] == 0.0 and r["top1_agree"] == 1.0 and r["kl"] == 0.0
+            assert r["ppl_delta_pct"] == 0.0 and r["top1_agree"] == 1.0 and r["kl"] == 0.0 and r["kl_max"] == 0.0
             assert r["kv_bytes_ratio"] == 1.0
         else:
             assert r["kv_bytes_ratio"] < 1.0

@@ -14,6 +14,7 @@ from kvguard.evaluation import harness, methods
 from kvguard.peers import PeerUnsupported, llamacpp
 from kvguard.plan import Plan
 from kvguard.scoring import score_simulated
+from tests.helpers import eval_row
 
 TOKENS = 256
 NAMES = ["llamacpp-f16", "llamacpp-q8_0", "llamacpp-q5_0", "llamacpp-q4_1", "llamacpp-q4_0", "llamacpp-iq4_nl",
@@ -62,10 +63,10 @@ def test_llamacpp_f16_is_scored_first_among_them():
 
 def test_deltas_are_against_each_rows_own_reference_windows_combined():
     def window(fp16_ppl, int4_ppl, f16_ppl, q4_ppl):
-        return [harness.Row("fp16", "prose", "simulated", 10, 1.0, fp16_ppl, None, 0.0, 1.0, 100.0),
-                harness.Row("int4", "prose", "simulated", 4, 0.4, int4_ppl, None, 0.01, 0.9, 100.0),
-                harness.Row("llamacpp-f16", "prose", "llama.cpp", 10, 1.0, f16_ppl, None, 0.0, 1.0, 50.0),
-                harness.Row("llamacpp-q4_0", "prose", "llama.cpp", 3, 0.28125, q4_ppl, None, 0.05, 0.8, 50.0)]
+        return [eval_row("fp16", "prose", "simulated", 10, 1.0, fp16_ppl, None, 0.0, 1.0, 100.0),
+                eval_row("int4", "prose", "simulated", 4, 0.4, int4_ppl, None, 0.01, 0.9, 100.0),
+                eval_row("llamacpp-f16", "prose", "llama.cpp", 10, 1.0, f16_ppl, None, 0.0, 1.0, 50.0),
+                eval_row("llamacpp-q4_0", "prose", "llama.cpp", 3, 0.28125, q4_ppl, None, 0.05, 0.8, 50.0)]
 
     fp16, int4, f16, q4 = harness.combine_windows([window(10.0, 11.0, 12.0, 15.0), window(40.0, 44.0, 48.0, 60.0)])
     assert math.isclose(int4.ppl_delta_pct, 10.0) and math.isclose(q4.ppl_delta_pct, 25.0)
@@ -74,7 +75,7 @@ def test_deltas_are_against_each_rows_own_reference_windows_combined():
 
 def test_missing_llama_cpp_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
-    with pytest.raises(PeerUnsupported, match=r"pip install llama-cpp-python==0\.3\.36.*`make`"):
+    with pytest.raises(PeerUnsupported, match=r"pip install llama-cpp-python==0\.3\.36.*`make peers`"):
         llamacpp.score(Path("model.gguf"), torch.arange(8), llamacpp.SPECS["llamacpp-q4_0"])
 
 

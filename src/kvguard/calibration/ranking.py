@@ -3,7 +3,7 @@
 Every candidate is scored on the held-out slice: 512 tokens per domain, a few seconds a plan. At the frontier's
 mid budgets the closest plans differ by less than that short context can tell, most of all plans in different
 formats (one-byte or float16 scales, an 8- or 16-bit window, with or without the softmax-bias correction): on both
-models' calibration text (``benchmarks/heldout_ranking.py``), the plan with the lowest held-out KL under 0.60 /
+models' calibration text (``benchmarks/heldout_ranking.py``, in the history: commit 8e580c2), the plan with the lowest held-out KL under 0.60 /
 0.75 x B4 (B4: the default layout's all-INT4 bytes) was 13-22 % above the best candidate's KL on 2,048 tokens in
 three of four cases, whichever documents the 512 tokens came from; among the three lowest held-out KLs within
 0.02 x B4 under the budget, 1,024 tokens found that best or came within 0.4 % of it in three.
@@ -14,7 +14,7 @@ below them with a lower held-out KL than one of them, are scored again on the ra
 (:class:`~kvguard.profile.RankedBudget`), and ``kvguard@<bytes>``, where its held-out pick was ranked, runs the
 lowest ranking KL among those ranked with it that fit the bytes where it beats the held-out pick's by more than
 :data:`~kvguard.profile.RANKING_MARGIN` (:meth:`~kvguard.profile.ProfileMeta.frontier_pick`): one stream per domain
-cannot tell closer plans apart (``benchmarks/ranking_noise.py``).
+cannot tell closer plans apart (``benchmarks/ranking_noise.py``, in the history: commit e534271).
 The held-out scores stay in the search log as measured; the chosen plan is still decided by them.
 """
 

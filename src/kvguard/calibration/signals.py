@@ -9,7 +9,7 @@ Per query token and attention layer, the monitor (:mod:`kvguard.control.monitor`
 
 :func:`record` collects these for a token stream under a plan with the simulation's observer hook, next to
 the per-token ``KL(fp16 || plan)`` of the next-token distribution. Calibration trains the risk classifier on
-them (held-out calibration text, :mod:`kvguard.calibration.monitor_fit`); ``benchmarks/monitor_signal.py``
+them (held-out calibration text, :mod:`kvguard.calibration.monitor_fit`); ``benchmarks/monitor_signal.py`` (in the history: commit 84c46f2)
 measures on the evaluation split how well each signal predicts real error.
 """
 

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ from kvguard import atomic
 from kvguard.architecture import Architecture
 from kvguard.evaluation import methods as methods_mod
 from kvguard.peers import PeerUnsupported, llamacpp
+from kvguard.metrics import quantile
 from kvguard.plan import Plan
 from kvguard.scoring import StreamScore, score_live, score_simulated, score_stream
 
@@ -22,7 +23,9 @@ from kvguard.scoring import StreamScore, score_live, score_simulated, score_stre
 @dataclass
 class Row:
     """One method on one text. Ratios are against the FP16 bytes of the same tokens; deltas, KL and top-1 against
-    the method's reference in the same run (``fp16``; ``llamacpp-f16`` for llama.cpp's types)."""
+    the method's reference in the same run (``fp16``; ``llamacpp-f16`` for llama.cpp's types). ``kl`` is the mean
+    per-token KL, ``kl_p99`` / ``kl_p999`` / ``kl_max`` its tail (:func:`kvguard.metrics.quantile`); ``token_kl``, the
+    per-token values the tail comes from, stays out of the JSON."""
 
     method: str
     corpus: str
@@ -33,6 +36,9 @@ class Row:
     ppl: float | None = None
     ppl_delta_pct: float | None = None
     kl: float | None = None
+    kl_p99: float | None = None
+    kl_p999: float | None = None
+    kl_max: float | None = None
     top1_agree: float | None = None
     tok_s: float | None = None
     trigger_rate: float | None = None
@@ -40,6 +46,7 @@ class Row:
     ram_bytes_ratio: float | None = None  # every tier resident in RAM (the live loop: averaged over the run)
     disk_bytes_ratio: float | None = None  # the backing tier on disk (the live loop: averaged over the run)
     error: str | None = None
+    token_kl: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [predictions] float32
 
 
 def _log(message: str) -> None:
@@ -101,7 +108,8 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
         else:
             if method.name == method.reference:
                 references[method.name] = torch.log_softmax(score.logits, dim=-1)
-                score = StreamScore(score.nll, score.tokens, 0.0, 1.0, score.seconds)
+                score = StreamScore(score.nll, score.tokens, 0.0, 1.0, score.seconds,
+                                    token_kl=torch.zeros(score.tokens - 1))
             _fill(row, score, stored, fp16)
         rows.append(row)
         for name in [n for n, last in last_use.items() if last == i]:
@@ -156,8 +164,9 @@ def _with_deltas(rows: list[Row]) -> list[Row]:
 
 def combine_windows(windows: list[list[Row]]) -> list[Row]:
     """Rows of several equal-length windows of one corpus (each from :func:`evaluate_stream`) as one row per
-    method: perplexity from the mean NLL, KL / top-1 / bytes / speed averaged, deltas against the combined
-    reference row (``fp16``, or ``llamacpp-f16``). More text makes the small perplexity differences between good methods measurable."""
+    method: perplexity from the mean NLL, KL / top-1 / bytes / speed averaged, the KL's tail over every window's tokens
+    together, deltas against the combined reference row (``fp16``, or ``llamacpp-f16``). More text makes the small
+    perplexity differences between good methods measurable."""
     if not windows:
         raise ValueError("no windows to combine")
     combined = []
@@ -172,6 +181,8 @@ def combine_windows(windows: list[list[Row]]) -> list[Row]:
             row.kv_bytes_ratio = sum(r.kv_bytes_ratio for r in rows) / n
             row.ppl = math.exp(sum(math.log(r.ppl) for r in rows) / n)
             row.kl = sum(r.kl for r in rows) / n
+            if all(r.token_kl is not None for r in rows):
+                _set_tail(row, torch.cat([r.token_kl for r in rows]))
             row.top1_agree = sum(r.top1_agree for r in rows) / n
             row.tok_s = sum(r.tok_s for r in rows) / n if all(r.tok_s for r in rows) else None
             for name in ("trigger_rate", "recompute_fraction", "ram_bytes_ratio", "disk_bytes_ratio"):
@@ -189,8 +200,15 @@ def _fill(row: Row, score: StreamScore, stored: int, fp16: int) -> None:
         row.ram_bytes_ratio, row.disk_bytes_ratio = row.kv_bytes_ratio, 0.0
     row.ppl = score.perplexity
     row.kl = score.kl
+    if score.token_kl is not None:
+        _set_tail(row, score.token_kl)
     row.top1_agree = score.top1_agree
     row.tok_s = (score.tokens - 1) / score.seconds if score.seconds else None
+
+
+def _set_tail(row: Row, token_kl: torch.Tensor) -> None:
+    row.token_kl = token_kl
+    row.kl_p99, row.kl_p999, row.kl_max = (quantile(token_kl, q) for q in (0.99, 0.999, 1.0))
 
 
 def _fmt(value, spec: str) -> str:
@@ -200,7 +218,7 @@ def _fmt(value, spec: str) -> str:
 def markdown_table(rows: list[Row]) -> str:
     """The rows as a markdown table (what ``kvguard eval`` prints)."""
     head = ("| corpus | method | mode | kv_bytes_ratio | ram_bytes_ratio | disk_bytes_ratio | ppl | ppl_delta_pct | kl "
-            "| top1_agree | tok_s | trigger_rate | recompute_fraction |")
+            "| kl_p99 | kl_p999 | kl_max | top1_agree | tok_s | trigger_rate | recompute_fraction |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     notes: list[str] = []
     for r in rows:
@@ -213,7 +231,8 @@ def markdown_table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.corpus} | {r.method} | {r.mode} | {_fmt(r.kv_bytes_ratio, '.3f')} | {_fmt(r.ram_bytes_ratio, '.3f')} | "
             f"{_fmt(r.disk_bytes_ratio, '.3f')} | {_fmt(r.ppl, '.3f')} | "
-            f"{_fmt(r.ppl_delta_pct, '+.2f')} | {_fmt(r.kl, '.5f')} | {_fmt(r.top1_agree, '.4f')} | "
+            f"{_fmt(r.ppl_delta_pct, '+.2f')} | {_fmt(r.kl, '.5f')} | {_fmt(r.kl_p99, '.4f')} | {_fmt(r.kl_p999, '.4f')} | "
+            f"{_fmt(r.kl_max, '.4f')} | {_fmt(r.top1_agree, '.4f')} | "
             f"{_fmt(r.tok_s, '.1f')} | {_fmt(r.trigger_rate, '.4f')} | {_fmt(r.recompute_fraction, '.4f')} |"
         )
     lines += [""] * bool(notes) + [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
@@ -226,4 +245,6 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
 
 
 def rows_payload(model_name: str, tokens: int, chunk: int, rows: list[Row]) -> dict:
-    return {"model": model_name, "tokens": tokens, "chunk": chunk, "results": [asdict(r) for r in rows]}
+    """The rows as ``kvguard eval --json`` writes them (every field but the per-token KL)."""
+    results = [{f.name: getattr(r, f.name) for f in fields(r) if f.name != "token_kl"} for r in rows]
+    return {"model": model_name, "tokens": tokens, "chunk": chunk, "results": results}

@@ -11,7 +11,7 @@ head_dim % 64 == 0, both embedded models) is applied; its weights are the GGUF's
 kvguard's transformers model holds dequantized (f16 against kvguard's ``fp16``, SmolLM2, 2,048 eval prose
 tokens, chunk 1: -0.01 % perplexity, KL 0.0033, top-1 0.965). The chunk is llama.cpp's ubatch, and its CPU
 kernels depend on it: on SmolLM2 chunk 32 scores exactly like chunk 1, chunk 64 does not (+1.1 % perplexity on
-256 tokens; ``benchmarks/llamacpp_agreement.py`` prints these figures).
+256 tokens; ``benchmarks/llamacpp_agreement.py`` printed these figures, in the history: commit 0ded4c2).
 
 The quality columns of these rows are against ``llamacpp-f16`` on the same tokens (llama.cpp's own FP16
 cache), not against kvguard's ``fp16``: what is measured is the error llama.cpp's KV types add inside
@@ -128,8 +128,8 @@ def _import_llama_cpp():
         import llama_cpp
     except (ImportError, OSError) as err:  # OSError: the package is there but its compiled library is not
         raise PeerUnsupported(f"the {PREFIX}* methods need llama-cpp-python, which is not installed here ({err}): "
-                              f"pip install {PACKAGE}  (or `make`, which tries it; it compiles llama.cpp and needs "
-                              f"cmake and a C++ compiler)") from err
+                              f"pip install {PACKAGE}  (or `make peers`, which builds it once per machine; it compiles "
+                              f"llama.cpp and needs cmake and a C++ compiler)") from err
     return llama_cpp
 
 
