@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "latency_max_s": round(max(lat, default=float("nan")), 3),
         "ttft_p50_s": round(percentile(ttft, 0.5), 3), "ttft_p95_s": round(percentile(ttft, 0.95), 3),
         "generated_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
-        "server": {"max_concurrency": status["requests"]["max_concurrency"], "max_queue": status["requests"]["max_queue"],
+        "server": {"max_batch": status["requests"]["max_batch"], "max_queue": status["requests"]["max_queue"],
                    "torch_threads": status["torch_threads"], "trigger_rate": status["trigger_rate"],
                    "recalibration_recommended": status["recalibration_recommended"],
                    "requests_served": status["requests"]["requests"], "actions": actions},
