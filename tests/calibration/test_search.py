@@ -173,3 +173,53 @@ def test_level3_clips_keys_and_keeps_the_rest_of_the_layer():
     for cand in out:
         assert cand.plan.layers[0] == replace(layer, key_clip=cand.plan.layers[0].key_clip)
         assert cand.plan.layers[1] == layer
+
+
+def test_the_quick_search_allocates_the_low_bit_frontier_in_one_layout_at_fewer_targets():
+    """``Search.QUICK`` (``kvguard run``): the model's low-bit layout only, at QUICK_TARGETS and the floor, with the
+    ``+sb`` twins; no 16-bit-window or float16-scale formats, no keys-before-RoPE twins, no ablation plans."""
+    from kvguard.calibration.search import QUICK_TARGETS
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama(hidden_size=256)  # 4 heads of 64 channels: the low-bit layouts fit
+    arch = Architecture.from_config(model.config)
+
+    class Scores:  # KL falls with the bytes a plan stores, so every allocated plan is a distinct frontier point
+        def score(self, heldout, plans, scales=None):
+            return [PlanScore(0.001 / (1 + sum(p.bits for lp in plan.layers for p in lp.precision)), {"prose": 0.1},
+                              0.99) for plan in plans]
+
+    level1 = [_cand("L1 all-int4 window-64", 0.344, 0.1), _cand("L1 all-int3+rot window-64", 0.285, 0.5, kl=0.004),
+              _cand("L1 all-int2+rot window-64", 0.225, 2.0, kl=0.03)]
+    sens = _sens(arch, torch.linspace(0.001, 0.02, arch.num_layers), torch.full((arch.num_layers, 2), 0.0005))
+    latency = LatencyModel({t.value: 1.0 for t in TIERS}, 64)
+
+    def search(quick):
+        searcher = Searcher(model, SimpleNamespace(arch=arch), Objective(), latency, context=256, progress=False,
+                            executor=Scores(), quick=quick)
+        return searcher, [c.name for c in searcher.level2_low_bit(sens, 1e-5, level1)]
+
+    searcher, quick = search(True)
+    _, full = search(False)
+    low = searcher.low_bit_layout
+    assert quick and len(quick) < len(full) / 2
+    assert all(f"L2 mixed {low} low-bit" in name for name in quick)  # one layout, the 8-bit-window one
+    assert not any(name.endswith(" +pre") or "no rotation" in name or "no int3" in name for name in quick)
+    assert any(name.endswith(" +sb") for name in quick)
+    targets = {name.split("<= ")[1].split(" ")[0] for name in quick}
+    assert len(targets) <= len(QUICK_TARGETS) + 1  # and the floor
+    assert any(name.endswith(" +pre") for name in full) and any("no int3" in name for name in full)
+
+
+def test_the_search_setting_is_checked_and_keyed_only_when_quick(tmp_path):
+    from kvguard.calibration.settings import Search
+    from tests.helpers import small_config
+
+    with pytest.raises(ValueError, match=r"search has to be one of \['full', 'quick'\] but got 'fast'"):
+        small_config(tmp_path, search="fast")
+    assert small_config(tmp_path, low_bit=True).search is Search.FULL
+    # A full search keeps the digest it had before the setting existed; a quick one is another profile.
+    full = small_config(tmp_path, low_bit=True)
+    assert full.key() == small_config(tmp_path, low_bit=True, search="full").key()
+    assert small_config(tmp_path, low_bit=True, search="quick").key() != full.key()
+    assert small_config(tmp_path, search="quick").key() == small_config(tmp_path).key()  # no low-bit search to trim

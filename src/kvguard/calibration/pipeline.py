@@ -42,7 +42,7 @@ from kvguard.calibration.ranking import rerank
 from kvguard.calibration.samples import CalibrationText, calibration_text
 from kvguard.calibration.search import LAYOUTS, Searcher, best, int4_bytes, level2_targets, pareto_front
 from kvguard.calibration.sensitivity import Sensitivity, measure, ranking_table
-from kvguard.calibration.settings import RECOMMENDED_SAMPLES, CalibrationConfig
+from kvguard.calibration.settings import RECOMMENDED_SAMPLES, CalibrationConfig, Search
 from kvguard.config import MonitorConfig
 from kvguard.entropy import EntropyBaseline
 from kvguard.plan import StaticScales
@@ -130,7 +130,9 @@ class _Run:
 
     def sensitivity(self, heldout: HeldOut, layout, executor) -> tuple[Sensitivity, dict[str, torch.Tensor]]:
         def run():
-            sens = measure(heldout, layout, head_layers=self.cfg.head_layers, rotation=self.cfg.low_bit,
+            # The quick search leaves out the rotation trials (half the stage): its low-bit plans are not rotated.
+            rotation = self.cfg.low_bit and self.cfg.search is Search.FULL
+            sens = measure(heldout, layout, head_layers=self.cfg.head_layers, rotation=rotation,
                            progress=self.progress, executor=executor)
             return sens.to_dict(), sens.tensors()
 
@@ -237,7 +239,7 @@ def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayCon
         heldout = HeldOut(run.model, run.text.streams)
         scales = StaticScales(agg["key.absmax"], agg["value.absmax"])
         searcher = Searcher(run.model, heldout, cfg.objective, latency, scales=scales, context=cfg.context,
-                            progress=progress, executor=executor)
+                            progress=progress, executor=executor, quick=cfg.search is Search.QUICK)
         search_log, sens = run.search(searcher, heldout, executor)
         ranked = run.ranking(executor, search_log, scales)
     finally:
@@ -278,7 +280,7 @@ def _meta(run: _Run, chosen: Candidate, log: list[Candidate], latency: LatencyMo
                 "monitor_calibration": {k: v for k, v in fit.items() if k not in ("risk_classifier", "seconds")},
                 **ranking,
                 "run": {"seconds": run.seconds, "total_seconds": sum(run.seconds.values()),
-                        "resumed_stages": run.resumed}})
+                        "resumed_stages": run.resumed, "search": cfg.search.value}})
 
 
 def refit_monitor(out: str | os.PathLike, *, progress: bool = True, device: str = "cpu") -> Profile:

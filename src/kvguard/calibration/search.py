@@ -57,9 +57,9 @@ DEFAULT_LAYOUT = "window-64"
 # divide the head dimension. Both keep the window in 8 bits, as the INT8 tier stores (``w8``: calibrated scales, no
 # per-token bytes): on Gemma 3's calibration text at all-INT3 that stores 6.5 % fewer bytes for 4 % (prose) / 12 %
 # (code) more KL; level 2 also allocates its targets with a 16-bit window (:meth:`Searcher.low_bit_layouts`;
-# benchmarks/README.md, "The window in 8 bits"). Both also store the INT3 / INT2 groups' scales and zero points in
+# benchmarks/DECISIONS.md, "Can the FP window be stored in 8 bits?"). Both also store the INT3 / INT2 groups' scales and zero points in
 # one byte each and search those groups' ranges (``s8``: ``CacheConfig.scale_bits`` / ``range_search``). On
-# SmolLM2's calibration prose, all heads rotated (``benchmarks/scale_bytes.py``), all-INT2 went from 0.197 of
+# SmolLM2's calibration prose, all heads rotated (``benchmarks/scale_bytes.py``, in the history), all-INT2 went from 0.197 of
 # FP16's bytes at KL 0.060 to 0.174 at 0.047, all-INT3 from 0.258 at 0.00675 to 0.235 at 0.00666; the search's
 # floors fell from 0.191 to 0.168 (Gemma 3) and 0.168 to 0.153 (SmolLM2) of FP16's bytes.
 LOW_BIT_LAYOUTS = ("window-32 group-64 w8 s8", "window-16 value-group-64 w8 s8")
@@ -68,6 +68,9 @@ CLIP_GRID = (0.95, 0.9)
 # without rotation and without INT3 (the ablation at a fixed budget, kept in the search log).
 LOW_BIT_TARGETS = (0.85, 0.75, 0.68, 0.60, 0.52, 0.45)
 ABLATION_TARGETS = (0.75, 0.60)
+# The quick search's low-bit targets (``Search.QUICK``, ``kvguard run``): one near INT4's bytes, step 3's plan's, and
+# the floor, in the model's low-bit layout only.
+QUICK_TARGETS = (0.85, 0.60)
 # From this fraction of B4 up, level 2 also allocates in the low-bit layout with float16 scales and [min, max]
 # ranges (:meth:`Searcher.low_bit_layouts`). There the plans are mostly INT4 and INT3, and the one byte a scale
 # saves is a small share of the bytes. On SmolLM2's held-out text the one-byte (``s8``) plans measured KL 0.00732
@@ -75,7 +78,7 @@ ABLATION_TARGETS = (0.75, 0.60)
 # one-byte ones won on both models (0.60 x B4: 0.00936 against 0.01008, Gemma 3 0.00807 against 0.01047). With
 # both in the search, SmolLM2's float16-scale plans won 0.68 / 0.75 / 0.85 x B4 (0.00538 / 0.00406 / 0.00136 against
 # 0.00732 / 0.00413 / 0.00152), and on the eval split its 0.75 x B4 plan went from +1.32 / +2.73 / +0.45 % (prose /
-# code / dialog) to +0.68 / +0.24 / +0.93 % (benchmarks/README.md, "One-byte scales and searched ranges").
+# code / dialog) to +0.68 / +0.24 / +0.93 % (benchmarks/DECISIONS.md, "Above 0.68 x B4, float16 scales as well?").
 WIDE_SCALES_FROM = 0.68
 # From this fraction of B4 up, level 2 also scores each low-bit plan with the softmax-bias correction (``+sb``,
 # :meth:`Searcher.corrected`). Below it the plans are mostly INT2 in groups with searched ranges, where the
@@ -132,8 +135,9 @@ class Searcher:
 
     def __init__(self, model, heldout: HeldOut, objective: Objective, latency: LatencyModel, *,
                  scales: StaticScales | None = None, context: int = 2048, progress: bool = True,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, quick: bool = False) -> None:
         self.model, self.heldout, self.objective, self.latency = model, heldout, objective, latency
+        self.quick = quick  # the quick low-bit search (:class:`~kvguard.calibration.settings.Search`)
         self.executor = executor or LocalExecutor(model)  # where the held-out scores run
         self.scales = scales  # calibrated INT8 ranges: INT8 heads are scored as they will run
         self.arch = heldout.arch
@@ -289,21 +293,24 @@ class Searcher:
         default layout's all-INT4 bytes and at each layout's all-INT2 floor, in the layouts of
         :meth:`low_bit_layouts`, each plan from :data:`CORRECTED_FROM` x B4 up also with the softmax-bias correction
         (:meth:`corrected`), the frontier of those with their keys stored before RoPE (:meth:`prerope`), and the same
-        plans without rotation and without INT3 at :data:`ABLATION_TARGETS`."""
+        plans without rotation and without INT3 at :data:`ABLATION_TARGETS`. The quick search (``quick``): the
+        model's low-bit layout alone, at :data:`QUICK_TARGETS` and its floor, with the softmax-bias twins."""
         by_name = {c.name: c for c in level1}
         b4 = int4_bytes(level1)
         rot3, rot2 = (by_name.get(f"L1 all-{t}+rot {DEFAULT_LAYOUT}") for t in ("int3", "int2"))
         ratio = rot3.quality.kl / rot2.quality.kl if rot3 and rot2 and rot2.quality.kl > 0 else None
         rotate = self.rotatable
         out, to_correct, low = [], [], self.low_bit_layout
-        for lname, layout, upper_only in self.low_bit_layouts():
+        layouts = self.low_bit_layouts()[:1] if self.quick else self.low_bit_layouts()
+        targets = QUICK_TARGETS if self.quick else LOW_BIT_TARGETS
+        for lname, layout, upper_only in layouts:
             if upper_only:
-                fractions = [f for f in LOW_BIT_TARGETS if f >= WIDE_SCALES_FROM]
+                fractions = [f for f in targets if f >= WIDE_SCALES_FROM]
                 floor = None
             else:
                 table, ref = self.layer_bytes(layout)
                 floor = float(table[:, INT2].sum() / ref.sum())
-                fractions = [f for f in LOW_BIT_TARGETS if f * b4 > floor + 0.001]
+                fractions = [f for f in targets if f * b4 > floor + 0.001]
             # Allocated in two calls, the targets the correction is also scored at first, in the same order as one.
             upper = [round(f * b4, 4) for f in fractions if f >= CORRECTED_FROM]
             # The floor is a target too: all-INT2 with each layer's chosen rotation. Level 1's all-INT2 rotates every
@@ -315,6 +322,8 @@ class Searcher:
             out += plans + (self.level2(sens, layout, int8_kl, lower, **kwargs) if lower else [])
             to_correct += plans
         out += self.corrected(to_correct)
+        if self.quick:
+            return out
         out += self.prerope(pareto_front(out))
         ablation = [round(f * b4, 4) for f in ABLATION_TARGETS]
         if rotate:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 
 from kvguard import data
@@ -12,6 +13,21 @@ from kvguard.config import Objective
 from kvguard.profile import Settings
 
 RECOMMENDED_SAMPLES = 5000
+
+
+class Search(str, Enum):
+    """How much of the low-bit search level 2 runs (:meth:`kvguard.calibration.search.Searcher.level2_low_bit`).
+
+    - ``full``: every low-bit target in every low-bit format, the softmax-bias and keys-before-RoPE twins, and the
+      ablation plans; what ``kvguard calibrate`` runs.
+    - ``quick``: no rotation trials in the sensitivity stage (half its trials; the low-bit plans are not rotated), and
+      the low-bit frontier in the model's low-bit layout only, at :data:`~kvguard.calibration.search.QUICK_TARGETS`
+      and its floor, with the softmax-bias twins: about a tenth of the full level 2's plans. ``kvguard run``'s quick
+      profile: a look at the frontier in minutes, not a profile to serve.
+    """
+
+    FULL = "full"
+    QUICK = "quick"
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,7 @@ class CalibrationConfig:
             (:mod:`kvguard.calibration.ranking`); 0: off. Used with ``low_bit`` only.
         objective: the score's weights and the constraints.
         device: where the model runs (``cpu``, ``cuda``, ``auto``; :mod:`kvguard.device`).
+        search: how much of the low-bit search runs (:class:`Search`).
     """
 
     model: str
@@ -54,11 +71,16 @@ class CalibrationConfig:
     ranking_tokens: int = 3072
     objective: Objective = field(default_factory=Objective)
     device: str = "cpu"
+    search: Search = Search.FULL
 
     def __post_init__(self) -> None:
         from kvguard.device import Device
 
         Device(self.device)  # a ValueError listing the valid names
+        try:
+            object.__setattr__(self, "search", Search(self.search))
+        except ValueError:
+            raise ValueError(f"search has to be one of {[s.value for s in Search]} but got {self.search!r}") from None
         object.__setattr__(self, "out", Path(self.out))
         object.__setattr__(self, "domains", tuple(self.domains))
         bad = [d for d in self.domains if d not in data.CORPORA]
@@ -83,6 +105,10 @@ class CalibrationConfig:
         d["objective"] = self.objective.to_dict()
         if not (self.low_bit and self.ranking_tokens):
             del d["ranking_tokens"]  # no effect: a run without the ranking keeps the digest it had before it existed
+        if self.search is Search.FULL or not self.low_bit:
+            del d["search"]  # likewise: a full search keeps the digest it had before there was a quick one
+        else:
+            d["search"] = self.search.value
         # A GPU's float kernels round differently, so a CUDA run is a different result; a CPU one keeps the digest
         # it had before there was a device setting (cached `kvguard run` profiles stay valid).
         if name(self.device) != "cpu":
