@@ -32,6 +32,17 @@ def test_blocks_are_consecutive_runs_of_new_tokens_steps_with_their_compensation
     assert "tok_s_watching" not in speed._row("int4", 2, 4, [(1.0, 0.0)], 10, 40)
 
 
+def test_a_chunked_prefill_feeds_every_token_once_in_chunks():
+    fed = []
+
+    class Recording:
+        def prefill(self, ids):
+            fed.append(ids.tolist())
+
+    assert speed.time_prefill(Recording(), torch.arange(600), chunk=256) > 0
+    assert [len(c) for c in fed] == [256, 256, 88] and sum(fed, []) == list(range(600))
+
+
 @pytest.mark.slow
 def test_speed_rows_side_by_side():
     rows = speed.run("smollm2-135m", ["int4"], [128], new_tokens=4, progress=False, rounds=2)
@@ -40,7 +51,8 @@ def test_speed_rows_side_by_side():
     assert fp16["tok_s_ratio"] == 1.0 and fp16["peak_rss_ratio"] == 1.0
     assert len(int4["block_tok_s"]) == 2 and int4["tok_s"] == max(int4["block_tok_s"])
     assert int4["tok_s"] > 0 and int4["peak_rss_mb"] > 100 and int4["kv_bytes_ratio"] < fp16["kv_bytes_ratio"]
-    assert "| 128 | int4 |" in speed.markdown_table(rows)
+    assert int4["prefill_tok_s"] > 0 and int4["prefill_ratio"] == int4["prefill_tok_s"] / fp16["prefill_tok_s"]
+    assert "| 128 | int4 |" in speed.markdown_table(rows) and "chunked prefill" in speed.markdown_table(rows)
 
 
 def test_llamacpp_rows_follow_their_reference_and_carry_its_ratio(monkeypatch):
