@@ -202,9 +202,11 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype 
     """
     from transformers import AutoModelForCausalLM
 
+    from kvguard import heap
     from kvguard.device import resolve as resolve_device
 
     target = resolve_device(device)
+    heap.settle()  # a CPU cache's prefill would otherwise leave the C heap holding holes (kvguard.heap)
     tokenizer = load_tokenizer(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype).to(target)
     model.eval()

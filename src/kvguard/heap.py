@@ -1,0 +1,42 @@
+"""The C heap's settings for a process that holds a KV cache on the CPU.
+
+glibc's ``malloc`` serves a large block from its own memory map and returns it to the kernel when it is freed, but
+only above a threshold that it *raises* to the size of the largest mapped block freed so far (up to 32 MiB). A
+chunked prefill frees blocks of a size that grows with the history at every chunk (the attention's scores, a
+layer's read of the stored keys), so after the first few the threshold sits above them and they come from the
+heap, where each freed block leaves a hole slightly too small for the next one. On SmolLM2-135M, two sequences of
+2,048 tokens through an FP16 cache (93 MiB stored) grew the process by 150 MiB more than the cache holds; with the
+threshold fixed at 512 KiB (and the heap trimmed past 4 MiB free at its top) by 50 MiB, the model's own
+activations for one chunk, and the same with ``MALLOC_ARENA_MAX`` set or not (``benchmarks/README.md``, "Memory and
+capacity"). What it costs: a large block's pages are faulted in afresh each time, in kernel time, during prefill
+(decode's blocks are smaller than the threshold).
+
+:func:`settle` fixes both once per process (:func:`kvguard.models.load` calls it), unless the environment already
+sets them (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``), and does nothing where the C library is not
+glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+
+MMAP_THRESHOLD = 512 << 10
+TRIM_THRESHOLD = 4 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+
+
+@functools.cache
+def settle() -> bool:
+    """Fix glibc's mmap and trim thresholds (see the module docstring); whether they were set here."""
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False  # the user's settings stand
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False  # not glibc: its allocator has its own rules
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
