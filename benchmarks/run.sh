@@ -77,14 +77,23 @@ speed() {  # Decode speed: side by side in one process, then each method in its 
     --profile "$PROFILES/smollm2-135m-512" --json "$OUT/smollm2-135m-speed.json" | tee "$OUT/smollm2-135m-speed.md"
 }
 
-memory() {  # Memory and capacity (benchmarks/memory.py; its table is the memory issue's)
+memory() {  # Memory and capacity: the process against the stored bytes, the largest batch, the loop's tiers, speed
   $PY benchmarks/memory.py --model smollm2-135m --batch 8 --context 4096 --methods fp16,int4,kvguard,kvguard@0.22 \
     --profile "$PROFILES/smollm2-135m-512" --json "$OUT/smollm2-135m-memory.json" | tee "$OUT/smollm2-135m-memory.md"
+  $KV eval --model smollm2-135m --profile "$PROFILES/smollm2-135m-512" --task capacity --no-check \
+    --methods fp16,int4,kvguard,kvguard@0.22 --json "$OUT/smollm2-135m-capacity.json" | tee "$OUT/smollm2-135m-capacity.md"
+  $KV eval --model smollm2-135m --profile "$PROFILES/smollm2-135m-512" --methods kvguard@0.22,kvguard-live:kvguard@0.22 \
+    --corpus prose --tokens 4096 --json "$OUT/smollm2-135m-live-4096.json" | tee "$OUT/smollm2-135m-live-4096.md"
+  $KV eval --model smollm2-135m --profile "$PROFILES/smollm2-135m-512" --task speed --contexts 4096,8192 \
+    --new-tokens 32 --rounds 3 --methods fp16,int4,kvguard --json "$OUT/smollm2-135m-speed-memory.json" \
+    | tee "$OUT/smollm2-135m-speed-memory.md"
 }
 
-serving() {  # Serving many at once (benchmarks/load.py against a server it starts)
-  $PY benchmarks/load.py --start --profile "$PROFILES/smollm2-135m-512" --clients 16 --requests 8 --max-tokens 48 \
-    --json "$OUT/smollm2-135m-serve-load.json" | tee "$OUT/smollm2-135m-serve-load.md"
+serving() {  # Serving many at once: the real server on loopback, driven by the OpenAI client
+  $PY benchmarks/serve.py --table batching --profile "$PROFILES/smollm2-135m-512" --requests 16 --prompt-tokens 512 \
+    --new-tokens 256 --json "$OUT/smollm2-135m-serve-batching.json" | tee "$OUT/smollm2-135m-serve-batching.md"
+  $PY benchmarks/serve.py --table churn --profile "$PROFILES/smollm2-135m-512" --requests 64 --prompt-tokens 128 \
+    --new-tokens 64 --json "$OUT/smollm2-135m-serve-churn.json" | tee "$OUT/smollm2-135m-serve-churn.md"
 }
 
 recall() {  # Long-range recall, and the pass key

@@ -107,7 +107,7 @@ class Result:
     cancelled: bool = False
 
 
-def drive(port: int, texts: list[str], new_tokens: int, disconnect_after: set[int] = frozenset()) -> list[Result]:
+def drive(port: int, model: str, texts: list[str], new_tokens: int, disconnect_after: set[int] = frozenset()) -> list[Result]:
     """Send every prompt at once as a streamed completion; collect the chunks' times. Requests in
     ``disconnect_after`` close their connection after three chunks."""
     from openai import OpenAI
@@ -119,7 +119,7 @@ def drive(port: int, texts: list[str], new_tokens: int, disconnect_after: set[in
         start.wait()
         result = Result(time.time())
         try:
-            stream = client.completions.create(model="ignored", prompt=texts[i], max_tokens=new_tokens, temperature=0,
+            stream = client.completions.create(model=model, prompt=texts[i], max_tokens=new_tokens, temperature=0,
                                                stream=True, stream_options={"include_usage": True},
                                                extra_body={"ignore_eos": True})
             for chunk in stream:
@@ -158,6 +158,7 @@ def summarize(name: str, results: list[Result], status: dict, batch: int, wall: 
         chunks = sum(1 for r in done for t in r.tokens if t0 <= t <= t1)
         steady = chunks / (t1 - t0) if t1 > t0 else float("nan")
     return {"name": name, "requests": len(results), "errors": sum(r.error is not None for r in results),
+            "first_error": next((r.error for r in results if r.error is not None), None),
             "cancelled": sum(r.cancelled for r in results), "generated": generated, "wall_s": wall,
             "tok_s": generated / wall, "steady_tok_s": steady, "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99),
             "itl_p50": _pct(itl, 0.5), "itl_p99": _pct(itl, 0.99), "peak_rss_mib": status["peak_rss_bytes"] / MIB,
@@ -194,7 +195,7 @@ def run(args, name: str, plan: str, loop: bool, budget: str, max_batch: int, tex
         before = _get(port, "/v1/kvguard/status")["rss_bytes"]
         t0 = time.time()
         with BatchWatch(port) as watch:
-            results = drive(port, texts, args.new_tokens, disconnect)
+            results = drive(port, args.model, texts, args.new_tokens, disconnect)
         wall = time.time() - t0
         time.sleep(2.0)  # the requests the clients left end at the server's next step
         status = _get(port, "/v1/kvguard/status")
