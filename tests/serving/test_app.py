@@ -1,6 +1,7 @@
 """``kvguard serve`` as a user runs it: a real server (real SmolLM2, a calibrated profile) in a subprocess on a
 loopback port, driven by the official ``openai`` client and by raw HTTP for the error paths."""
 
+import contextlib
 import http.client
 import io
 import json
@@ -44,15 +45,12 @@ class Server(NamedTuple):
     proc: subprocess.Popen
 
 
-@pytest.fixture(scope="module")
-def server(small_profile_dir, tmp_path_factory):
-    """A batch of two and a queue of four, so six requests fill it. The server uses as many torch threads as this
-    process, so its greedy decoding can be compared with an in-process one."""
+@contextlib.contextmanager
+def _serving(profile_dir, log, *flags):
+    """``kvguard serve`` on a free loopback port with ``flags``, up and answering ``/healthz``, until the block ends."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "requests.jsonl"
-    cmd = [sys.executable, "-m", "kvguard", "serve", "--profile", str(small_profile_dir), "--port", str(port),
-           "--api-key", KEY, "--max-batch", str(WORKERS), "--max-queue", str(QUEUE), "--max-prompt-tokens",
-           "200", "--max-new-tokens", str(MAX_NEW), "--log-file", str(log), "--torch-threads", str(torch.get_num_threads())]
+    cmd = [sys.executable, "-m", "kvguard", "serve", "--profile", str(profile_dir), "--port", str(port),
+           "--api-key", KEY, "--log-file", str(log), *flags]
     # The server runs the kvguard this process imports (not whichever one the interpreter has installed).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=kvguard_env(HF_HUB_OFFLINE="1"))
     deadline = time.time() + 180
@@ -74,6 +72,17 @@ def server(small_profile_dir, tmp_path_factory):
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(small_profile_dir, tmp_path_factory):
+    """A batch of two and a queue of four, so six requests fill it. The server uses as many torch threads as this
+    process, so its greedy decoding can be compared with an in-process one."""
+    log = tmp_path_factory.mktemp("serve") / "requests.jsonl"
+    with _serving(small_profile_dir, log, "--max-batch", str(WORKERS), "--max-queue", str(QUEUE),
+                  "--max-prompt-tokens", "200", "--max-new-tokens", str(MAX_NEW),
+                  "--torch-threads", str(torch.get_num_threads())) as running:
+        yield running
 
 
 def _request(port, method, path, body=None, *, key=KEY, raw=None):
@@ -615,27 +624,10 @@ def tight_server(small_profile_dir, smollm2, tmp_path_factory):
     profile = Profile.load(small_profile_dir, smollm2[0])
     sizing = Sizing.of(profile.plan, smollm2[0].config, profile.static_scales(), profile.meta.monitor.min_saving_kept)
     budget = int(1.5 * sizing.reserve(200 + 32))
-    port = _free_port()
     log = tmp_path_factory.mktemp("tight") / "requests.jsonl"
-    cmd = [sys.executable, "-m", "kvguard", "serve", "--profile", str(small_profile_dir), "--port", str(port),
-           "--api-key", KEY, "--max-batch", "4", "--max-queue", "1", "--kv-budget", str(budget),
-           "--max-prompt-tokens", "200", "--max-new-tokens", "32", "--log-file", str(log)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=kvguard_env(HF_HUB_OFFLINE="1"))
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"kvguard serve exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
-        try:
-            if _request(port, "GET", "/healthz")[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
-    yield Server(port, log, proc), budget
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with _serving(small_profile_dir, log, "--max-batch", "4", "--max-queue", "1", "--kv-budget", str(budget),
+                  "--max-prompt-tokens", "200", "--max-new-tokens", "32") as running:
+        yield running, budget
 
 
 def test_the_kv_budget_admits_by_memory_and_a_burst_waits_or_gets_429(tight_server, smollm2):
