@@ -145,31 +145,29 @@ def active_hook() -> AttentionHook | None:
 
 
 @contextlib.contextmanager
+def _deferring(model, flag: contextvars.ContextVar):
+    """``flag`` set within the block (and this thread); the read a layer deferred is dropped when it ends."""
+    install(model)
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+        _PENDING.set(None)
+
+
 def fused_reads(model):
     """Within this block (and this thread), KVGuard cache layers hand their reads to the reads' attention
     (:func:`kvguard.fused_attention.attend`) instead of materializing their past, unless a hook that does not take
     reads is active (those read the full K/V)."""
-    install(model)
-    token = _FUSED.set(True)
-    try:
-        yield
-    finally:
-        _FUSED.reset(token)
-        _PENDING.set(None)
+    return _deferring(model, _FUSED)
 
 
-@contextlib.contextmanager
 def packed_reads(model):
     """Within this block (and this thread), ``model``'s forward runs over a packed row of several sequences
     (:mod:`kvguard.packed`): no mask is built over the row, and each layer's attention takes the
     :class:`~kvguard.packed.PackedRead` its cache deferred."""
-    install(model)
-    token = _PACKED.set(True)
-    try:
-        yield
-    finally:
-        _PACKED.reset(token)
-        _PENDING.set(None)
+    return _deferring(model, _PACKED)
 
 
 def fused_reads_active() -> bool:
