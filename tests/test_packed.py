@@ -88,3 +88,25 @@ def test_gemma3_past_its_sliding_window(gemma3_6_layers, precision):
     # Logits through FP16 storage differ by summation order only; through INT4 a rounding difference can move a
     # stored value across a bin, which later tokens read (Gemma's logits run to the tens).
     _check(model, prompts, precision, chunk=128, steps=5, atol=5e-3 if precision == "fp16" else 0.2)
+
+
+def test_a_packed_forward_leaves_no_cycle_that_keeps_a_cache_alive():
+    """A sequence's cache is freed the moment its last reference goes, not at the next full collection (a server's
+    are minutes apart): the packed forward's cache and layers must not form a reference cycle holding it."""
+    import gc
+    import weakref
+
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama()
+    caches = [KVGuardCache(model.config, "int4") for _ in range(2)]
+    gc.collect()
+    gc.disable()
+    try:
+        packed.forward(model, [packed.Piece(c, torch.arange(n)) for c, n in zip(caches, (40, 3))])
+        refs = [weakref.ref(c) for c in caches]
+        assert caches[0].get_seq_length() == 40
+        del caches
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()

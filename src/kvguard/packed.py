@@ -69,15 +69,33 @@ class PackedRead:
         return attend(module, query, key, value, self, scaling=scaling, softcap=softcap)
 
 
+@dataclass(frozen=True)
+class _Row:
+    """The sequences of one packed row: their pieces, new-token counts and first positions."""
+
+    pieces: tuple[Piece, ...]
+    lengths: tuple[int, ...]
+    positions: tuple[int, ...]
+
+    @classmethod
+    def of(cls, pieces: Sequence[Piece]) -> "_Row":
+        pieces = tuple(pieces)
+        return cls(pieces, tuple(int(p.ids.numel()) for p in pieces), tuple(p.cache.get_seq_length() for p in pieces))
+
+
 class _PackedLayer(CacheLayerMixin):
-    """Layer ``layer_idx`` of every sequence's cache, seen as one layer of the packed row."""
+    """Layer ``layer_idx`` of every sequence's cache, seen as one layer of the packed row.
+
+    It holds the row, not the :class:`PackedCache` that holds it: a layer pointing back at its cache is a reference
+    cycle, which CPython frees only at a full collection, and a server's full collections are rare, so every
+    sequence's cache the row touched (the finished ones' included) would stay in memory for minutes."""
 
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, packed: "PackedCache", layer_idx: int, sliding: bool) -> None:
+    def __init__(self, row: _Row, layer_idx: int, sliding: bool) -> None:
         super().__init__()
-        self.packed, self.layer_idx, self.is_sliding = packed, layer_idx, sliding
+        self.row, self.layer_idx, self.is_sliding = row, layer_idx, sliding
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -85,8 +103,8 @@ class _PackedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append each sequence's slice of ``[1, H_kv, T, D]`` to its own layer; defer the packed read."""
-        slices, start = [], 0
-        for piece, n, position in zip(self.packed.pieces, self.packed.lengths, self.packed.positions):
+        slices, start, row = [], 0, self.row
+        for piece, n, position in zip(row.pieces, row.lengths, row.positions):
             layer = piece.cache.layers[self.layer_idx]
             k, v = key_states[:, :, start:start + n], value_states[:, :, start:start + n]
             read = layer.read_and_append(k, v)
@@ -110,10 +128,8 @@ class PackedCache(Cache):
     """The ``Cache`` a packed forward runs with: its layers hand every sequence's slice to that sequence's cache."""
 
     def __init__(self, pieces: Sequence[Piece], sliding_layers: Sequence[bool]) -> None:
-        self.pieces = tuple(pieces)
-        self.lengths = tuple(int(p.ids.numel()) for p in self.pieces)
-        self.positions = tuple(p.cache.get_seq_length() for p in self.pieces)
-        super().__init__(layers=[_PackedLayer(self, i, s) for i, s in enumerate(sliding_layers)])
+        self.row = _Row.of(pieces)
+        super().__init__(layers=[_PackedLayer(self.row, i, s) for i, s in enumerate(sliding_layers)])
 
 
 def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, read: PackedRead, *,
@@ -158,8 +174,9 @@ def forward(model, pieces: Sequence[Piece]) -> torch.Tensor:
     cache = PackedCache(pieces, [arch.is_sliding(l) for l in range(arch.num_layers)])
     device = model.device
     ids = torch.cat([p.ids.reshape(-1) for p in pieces]).view(1, -1).to(device)
-    positions = torch.cat([torch.arange(n) + start for n, start in zip(cache.lengths, cache.positions)])
-    last = torch.tensor(cache.lengths).cumsum(0) - 1  # each piece's last token in the row
+    row = cache.row
+    positions = torch.cat([torch.arange(n) + start for n, start in zip(row.lengths, row.positions)])
+    last = torch.tensor(row.lengths).cumsum(0) - 1  # each piece's last token in the row
     with attention.packed_reads(model):
         out = model(input_ids=ids, position_ids=positions.view(1, -1).to(device), cache=cache, use_cache=True,
                     logits_to_keep=last.to(device))

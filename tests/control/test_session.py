@@ -225,3 +225,36 @@ def test_two_sessions_on_two_threads_decode_exactly_as_they_do_alone(smollm2, sm
         tokens, events, ids = alone[i]
         assert out.tokens == tokens
         assert trace(session) == events and session.ids == ids
+
+
+def test_a_session_that_ends_frees_its_cache_without_a_collection(smollm2, small_profile_dir):
+    """A server's sessions decode in packed forwards under the loop, and their caches must go when the session
+    does, not at the next full collection (minutes apart in a server): no reference cycle holds them."""
+    import gc
+    import weakref
+
+    from kvguard import attention, packed
+
+    model, tok = smollm2
+    profile = Profile.load(small_profile_dir, model)
+    prompt = data.token_stream("prose", "eval", tok, 100)
+    gc.collect()
+    gc.disable()
+    try:
+        sessions = [LiveSession.from_profile(model, profile, sequence_id=str(i)) for i in range(2)]
+        attention.install(model)  # as the server does, once
+        logits = packed.forward(model, [s.piece(prompt[:-1]) for s in sessions])
+        for s in sessions:
+            s.fed_prompt(prompt[:-1])
+        tokens = [int(prompt[-1])] * 2
+        for step in range(12):  # the prompt check, then monitoring steps
+            logits = packed.forward(model, [s.piece(torch.tensor([t])) for s, t in zip(sessions, tokens)])
+            for s, t in zip(sessions, tokens):
+                s.fed_token(t, prompt=step == 0)
+            tokens = [int(row.argmax()) for row in logits]
+        assert all(s.counters.steps > 0 for s in sessions)  # the loop watched them
+        refs = [weakref.ref(s.cache) for s in sessions]
+        del sessions, s  # the loops' variable holds the last one
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()

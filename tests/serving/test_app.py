@@ -27,9 +27,6 @@ KEY = "test-key"
 MAX_NEW = 64
 WORKERS = 2
 QUEUE = 4
-# After a warm-up round, a round of ten disconnects moved RSS by under 1 MB here; the bound leaves room for noise
-# and still flags a leak of ~3 MB a request (a 150-token prompt's FP16 keys and values are 3.5 MB on SmolLM2).
-RSS_SLACK = 32 << 20
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
@@ -500,7 +497,7 @@ def _rss(port) -> float:
 
 def test_clients_that_disconnect_mid_stream_leak_nothing(server, smollm2):
     port, log, _ = server
-    prompt = _prose(smollm2[1], 150)  # long enough that a leaked cache would show
+    prompt = _prose(smollm2[1], 190)  # long enough that a leaked cache would show
 
     def disconnect(_) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -516,20 +513,30 @@ def test_clients_that_disconnect_mid_stream_leak_nothing(server, smollm2):
             events += line.startswith(b"data: ")
         conn.close()
 
+    # What one request holds in RAM, every tier, by the server's own count: what a leak would keep.
+    disconnect(0)
+    per_request = _wait_idle(port)["last_request"]["memory"]["ram_bytes"]
+    rounds, size = 6, 10
     # Two clients at a time: with the requests they left still finishing their token, never more than the
-    # server admits (no 429).
+    # server admits (no 429). The first round grows the heap by tens of MB (allocator arenas, torch's buffers)
+    # and later rounds move it by single MB up or down, so the baseline is taken after it; a leak grows RSS
+    # with every request, by rounds x size x per_request in all, which the bound takes half of.
     with ThreadPoolExecutor(WORKERS) as pool:
-        # Warm-up: the first ten grow the heap by ~75 MB (allocator arenas, torch's buffers), later rounds of ten
-        # by ~0.1 MB, so the baseline is taken after a round as long as the one measured.
-        list(pool.map(disconnect, range(10)))
+        list(pool.map(disconnect, range(size)))
         _wait_idle(port)
         baseline, cancelled = _rss(port), len([r for r in _log(log) if r.get("status") == "cancelled"])
-        list(pool.map(disconnect, range(10)))
+        after = []
+        for _ in range(rounds):
+            list(pool.map(disconnect, range(size)))
+            _wait_idle(port)
+            after.append(_rss(port))
     idle = _wait_idle(port)
     assert idle["active"] == [] and idle["kv_bytes"] == 0 and idle["requests"]["running"] == 0
     records = [r for r in _log(log) if r.get("status") == "cancelled"][cancelled:]
-    assert len(records) == 10 and all(r["completion_tokens"] < MAX_NEW for r in records)
-    assert _rss(port) < baseline + RSS_SLACK, (baseline, _rss(port))
+    assert len(records) == rounds * size and all(r["completion_tokens"] < MAX_NEW for r in records)
+    leak = rounds * size * per_request
+    assert leak > 64 << 20, f"{leak / 2**20:.0f} MiB: too small a leak to tell from the heap's noise"
+    assert after[-1] - baseline < leak / 2, ([round((a - baseline) / 2**20, 1) for a in after], leak / 2**20)
 
 
 def test_a_non_streaming_client_that_disconnects_stops_its_worker(server):
