@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import signal
 import sys
+import threading
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -324,7 +326,7 @@ def serve(cfg: ServeConfig) -> None:
         log = open(cfg.log_file, "a", buffering=1) if cfg.log_file else sys.stderr
     except OSError as err:
         raise ValueError(f"--log-file {cfg.log_file}: cannot be written ({err.strerror})") from None
-    engine = Engine(cfg, log=log)
+    engine = Engine(cfg, log=log, start=False)
     if not is_loopback(cfg.host):
         print(f"[kvguard serve] warning: listening on {cfg.host}, not loopback"
               + ("" if cfg.api_key else " and without --api-key: anyone who can reach it can use it"),
@@ -334,8 +336,22 @@ def serve(cfg: ServeConfig) -> None:
           f"{cfg.step_tokens} tokens a step, KV budget {engine.kv_budget / 2**20:.0f} MiB, queue {cfg.max_queue}, "
           f"{engine.torch_threads} torch threads; http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
     # timeout_keep_alive: an idle connection is closed after that many seconds.
-    uvicorn.run(build_app(engine), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5, timeout_keep_alive=5)
-    engine.close()
-    if cfg.log_file:
-        log.close()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host=cfg.host, port=cfg.port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=5))
+    # HTTP on a thread of its own, the model on this one, which loaded it: every torch op on one thread, one
+    # OpenMP team (Scheduler.run says what a second costs).
+    http = threading.Thread(target=server.run, name="kvguard-http", daemon=True)
+    stop = lambda *_: engine.scheduler.stop()  # noqa: E731 - Ctrl-C and SIGTERM end the loop, then HTTP
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        engine.scheduler.run(keep_going=http.is_alive)
+    finally:
+        server.should_exit = True
+        http.join(timeout=30)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if cfg.log_file:
+            log.close()
+    if not server.started:
+        raise ValueError(f"kvguard serve could not listen on {cfg.host}:{cfg.port} (see the error above)")

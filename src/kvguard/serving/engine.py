@@ -56,7 +56,8 @@ class Job:
 class Engine:
     """The model, its profile, the plan every request's cache stores, and the scheduler."""
 
-    def __init__(self, cfg: ServeConfig, *, log=None) -> None:
+    def __init__(self, cfg: ServeConfig, *, log=None, start: bool = True) -> None:
+        """``start``: run the scheduler on a thread of its own; without, the caller runs ``scheduler.run()``."""
         import os
 
         from kvguard import models
@@ -93,7 +94,8 @@ class Engine:
         self._rehearse()
         self.scheduler = Scheduler(self, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens,
                                    budget=Budget(self.kv_budget, self.reserve))
-        self.scheduler.start()
+        if start:
+            self.scheduler.start()
 
     def _plan(self):
         """The plan ``--plan`` names: the profile's, a frontier plan of it, or one tier everywhere."""

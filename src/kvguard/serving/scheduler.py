@@ -117,9 +117,11 @@ class Scheduler:
         self.reserved = 0
         self.cond = threading.Condition()
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="kvguard-scheduler", daemon=True)
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Run the loop on a thread of its own (:meth:`run` runs it on the caller's)."""
+        self.thread = threading.Thread(target=self.run, name="kvguard-scheduler", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
@@ -148,13 +150,19 @@ class Scheduler:
         return len(self.active) + self.starting
 
     # ------------------------------------------------------------------ the loop
-    def _run(self) -> None:
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
+        """Step until :meth:`stop` (or until ``keep_going()`` turns false, checked at least twice a second).
+
+        Run it on the thread that loaded the model when the process allows (``kvguard serve`` does): torch's
+        OpenMP threads belong to the thread that first ran a parallel op, and another thread's ops get a team of
+        their own; with more OpenMP threads than cores, libgomp's threads sleep instead of spinning between ops,
+        and a batched decode step, hundreds of small ops, ran at 0.4x its speed on 2 cores."""
         torch.set_num_threads(self.engine.torch_threads)
         while True:
             with self.cond:
-                while not self.stopped and not self.waiting and not self.active:
-                    self.cond.wait()
-                if self.stopped:
+                while not self.stopped and not self.waiting and not self.active and keep_going():
+                    self.cond.wait(0.5)
+                if self.stopped or not keep_going():
                     return
                 admitted = self._admit()
             for job, reserved in admitted:
