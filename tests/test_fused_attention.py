@@ -415,20 +415,3 @@ def test_smollm2_greedy_tokens_unchanged_with_keys_before_rope(smollm2, rotate):
               for cache, fused in zip(caches, (False, True))]
     assert caches[1].layers[0].holds_prerope_keys() and caches[1].layers[0].stored_read().segments[1].key_turn
     assert tokens[0] == tokens[1] and len(tokens[0]) == 24
-
-
-def test_plain_reads_of_several_sequences_attend_together_as_each_alone():
-    """A server's decode step: FP16 pasts of different lengths in one padded product, each as it reads alone."""
-    gen = torch.Generator().manual_seed(3)
-    layers = [KVGuardLayer("fp16", CONFIG) for _ in range(3)]
-    for layer, tokens in zip(layers, (5, 40, 23)):  # inside the window, past it, and between
-        for _ in range(tokens):  # one sequence each (a packed row's batch of one)
-            layer.update(torch.randn(1, H_KV, 1, D, generator=gen), torch.randn(1, H_KV, 1, D, generator=gen))
-    reads = [layer.stored_read() for layer in layers]
-    assert all(fused_attention.plain(r) for r in reads)
-    q = torch.randn(1, H_KV * REP, 3, D, generator=gen)
-    k, v = torch.randn(1, H_KV, 3, D, generator=gen), torch.randn(1, H_KV, 3, D, generator=gen)
-    together = fused_attention.attend_plain_many(q, reads, k, v, D ** -0.5)
-    for i, read in enumerate(reads):
-        alone = fused_attention.attend(q[:, :, i:i + 1], read, k[:, :, i:i + 1], v[:, :, i:i + 1], None, scaling=D ** -0.5)
-        torch.testing.assert_close(together[:, :, i:i + 1], alone, rtol=1e-5, atol=1e-6)

@@ -41,7 +41,6 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -203,7 +202,7 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
     A decode step (at most :data:`MAX_QUERY` query tokens, on the CPU, kernels built) reads the codes in C++; a
     longer chunk, or a step the kernels cannot take, reads the history a tile at a time
     (:mod:`kvguard.chunk_attention`), whose scores are not bias-corrected."""
-    if query.shape[2] == 1 and attention_mask is None and softcap is None and plain(read):
+    if query.shape[2] == 1 and attention_mask is None and softcap is None and _plain(read):
         return _attend_plain(query, read, key, value, scaling)
     if query.shape[2] <= MAX_QUERY and available(query.device):
         return attend_with_probs(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)[0]
@@ -212,7 +211,7 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
     return chunk_attention.attend(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)
 
 
-def plain(read: StoredRead) -> bool:
+def _plain(read: StoredRead) -> bool:
     """Whether ``read`` stores every column as plain tensors in the model's basis (an FP16 cache, or any cache
     still inside its full-precision window), with no overlay."""
     return read.overlay_columns is None and all(
@@ -222,7 +221,7 @@ def plain(read: StoredRead) -> bool:
 
 def _attend_plain(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,
                   scaling: float) -> torch.Tensor:
-    """One new token's attention over a :func:`plain` read: the segments and the new token copied into one float32
+    """One new token's attention over a :func:`_plain` read: the segments and the new token copied into one float32
     buffer per side, then one product each. Segment by segment, as :func:`attend_with_probs` goes, took 1.9x as long
     at 640 tokens (two conversions, a product and a write per segment), and a server runs it per sequence and layer."""
     b, hq, _, d = query.shape
@@ -236,36 +235,6 @@ def _attend_plain(query: torch.Tensor, read: StoredRead, key: torch.Tensor, valu
     q = (query.to(torch.float32) * scaling).reshape(b, hkv, hq // hkv, d)
     out = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v  # [B, H_kv, rep, D]
     return out.reshape(b, hq, 1, d).to(query.dtype)
-
-
-def attend_plain_many(query: torch.Tensor, reads: Sequence[StoredRead], key: torch.Tensor, value: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
-    """:func:`_attend_plain` for ``S`` sequences at once (a server's decode step), each column of ``query``
-    ``[1, H_q, S, D]`` and of the new ``key`` / ``value`` ``[1, H_kv, S, D]`` one sequence, ``reads`` their
-    :func:`plain` pasts: ``[1, H_q, S, D]``.
-
-    The pasts go into one ``[S, H_kv, N, D]`` buffer per side, ``N`` the longest plus one, each sequence's new token
-    in the last column (attention does not depend on the columns' order) and the gap before it masked, so the
-    products and the softmax run once for all of them instead of once a sequence."""
-    _, hq, s, d = query.shape
-    hkv = key.shape[1]
-    lengths = [r.length for r in reads]
-    n = max(lengths) + 1
-    k = torch.empty(s, hkv, n, d, dtype=torch.float32, device=query.device)
-    v = torch.empty_like(k)
-    for i, (read, length) in enumerate(zip(reads, lengths)):
-        for seg in read.segments:
-            k[i, :, seg.start:seg.stop], v[i, :, seg.start:seg.stop] = seg.keys[0], seg.values[0]
-        if length < n - 1:
-            v[i, :, length:n - 1] = 0.0  # weight 0 after the mask, but 0 x a NaN left in the buffer is a NaN
-    k[:, :, n - 1], v[:, :, n - 1] = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [S, H_kv, D]
-    columns = torch.arange(n, device=query.device)
-    gap = (columns >= torch.tensor(lengths, device=query.device)[:, None]) & (columns < n - 1)  # [S, N]
-    # [1, H_q, S, D] -> [S, H_q, D] -> [S, H_kv, rep, D]: query head i reads KV head i // rep.
-    q = (query[0].transpose(0, 1).to(torch.float32) * scaling).reshape(s, hkv, hq // hkv, d)
-    scores = (q @ k.transpose(-1, -2)).masked_fill_(gap.view(s, 1, 1, n), float("-inf"))  # [S, H_kv, rep, N]
-    out = torch.softmax(scores, dim=-1) @ v  # [S, H_kv, rep, D]
-    return out.reshape(s, hq, d).transpose(0, 1).unsqueeze(0).to(query.dtype)
 
 
 # Said once per place where a read applies no softmax-bias correction although the cache asks for it.

@@ -138,17 +138,7 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     each sequence's queries over its own stored past and its own new tokens. ``[1, H_q, T, D]``."""
     out = torch.empty_like(query)
     window = getattr(module, "sliding_window", None)
-    # Decode steps over plain pasts (FP16 caches) attend together: one product per side for all of them.
-    together = [] if window or softcap is not None else [
-        s for s in read.slices if s.length == 1 and s.hook is None and s.read is not None and fused_attention.plain(s.read)]
-    if len(together) > 1:
-        cols = torch.tensor([s.start for s in together], device=query.device)
-        out[:, :, cols] = fused_attention.attend_plain_many(query[:, :, cols], [s.read for s in together],
-                                                            key[:, :, cols], value[:, :, cols], scaling)
-    done = {id(s) for s in together} if len(together) > 1 else set()
     for s in read.slices:
-        if id(s) in done:
-            continue
         cols = slice(s.start, s.start + s.length)
         q, k, v = query[:, :, cols], key[:, :, cols], value[:, :, cols]
         stored = 0 if s.read is None else s.read.length
