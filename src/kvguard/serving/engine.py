@@ -1,9 +1,9 @@
 """The engine behind ``kvguard serve``: the model, its profile, the step scheduler, one session per request.
 
 Every request gets its own :class:`~kvguard.control.session.LiveSession`, so its own quantized cache under its own
-feedback loop (or the plan's cache alone with ``--no-loop``), and one scheduler thread
-(:mod:`kvguard.serving.scheduler`) advances every request in flight in the same model forward. Admission is by
-memory: a request reserves the KV bytes its plan stores for its prompt and ``max_tokens`` (plus what the loop may
+feedback loop (or the plan's cache alone with ``--no-loop``), and one scheduler loop
+(:mod:`kvguard.serving.scheduler`, on the thread that loaded the model under ``kvguard serve``) advances every
+request in flight in the same model forward. Admission is by memory: a request reserves the KV bytes its plan stores for its prompt and ``max_tokens`` (plus what the loop may
 add, :meth:`Engine.reserve`); it waits while the reservations in flight would pass ``--kv-budget``, and a request
 that finds the wait queue full is refused at once (429 with ``Retry-After``). A client that disconnects sets the
 job's cancel flag; its sequence leaves the batch at the next step and its cache is freed. Before any request, the
@@ -202,9 +202,6 @@ class Engine:
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.in_flight.set(self.scheduler.in_flight)
         self._publish_live()
-
-    def close(self) -> None:
-        self.scheduler.stop()
 
     def _on_event(self, job: Job, event: Event) -> None:
         self.metrics.event(event)
