@@ -3,11 +3,12 @@
 Every request gets its own :class:`~kvguard.control.session.LiveSession`, so its own quantized cache under its own
 feedback loop (or the plan's cache alone with ``--no-loop``), and one scheduler loop
 (:mod:`kvguard.serving.scheduler`, on the thread that loaded the model under ``kvguard serve``) advances every
-request in flight in the same model forward. Admission is by memory: a request reserves the KV bytes its plan stores for its prompt and ``max_tokens`` (plus what the loop may
-add, :meth:`Engine.reserve`); it waits while the reservations in flight would pass ``--kv-budget``, and a request
-that finds the wait queue full is refused at once (429 with ``Retry-After``). A client that disconnects sets the
-job's cancel flag; its sequence leaves the batch at the next step and its cache is freed. Before any request, the
-engine decodes a few tokens through one session: a profile that loads but cannot serve is refused at start.
+request in flight in the same model forward. Admission is by memory: a request reserves the KV bytes its plan stores
+for its prompt and ``max_tokens`` (plus what the loop may add, :meth:`Engine.reserve`); it waits while the
+reservations in flight would pass ``--kv-budget``, and a request that finds the wait queue full is refused at once
+(429 with ``Retry-After``). A client that disconnects sets the job's cancel flag; its sequence leaves the batch at
+the next step and its cache is freed. Before any request, the engine decodes a few tokens through one session: a
+profile that loads but cannot serve is refused at start.
 """
 
 from __future__ import annotations
