@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import os
 import socket
 import subprocess
@@ -146,6 +147,11 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def _steady(row: dict) -> str:
+    """The steady tokens/s, or a dash where no request waited (the batch was never full with others queued)."""
+    return "-" if math.isnan(row["steady_tok_s"]) else f"{row['steady_tok_s']:.1f}"
+
+
 def summarize(name: str, results: list[Result], status: dict, batch: int, wall: float) -> dict:
     done = [r for r in results if r.error is None and not r.cancelled]
     generated = sum(r.generated for r in done)
@@ -227,7 +233,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append(f"| {r['name']} | {r['plan']} | {'on' if r['loop'] else 'off'} | {r['max_batch']} | "
-                     f"{r['max_batch_seen']} | {r['kv_budget_mib']:.0f} | {r['tok_s']:.1f} | {r['steady_tok_s']:.1f} | "
+                     f"{r['max_batch_seen']} | {r['kv_budget_mib']:.0f} | {r['tok_s']:.1f} | {_steady(r)} | "
                      f"{r['ttft_p50']:.1f} / {r['ttft_p99']:.1f} | {1000 * r['itl_p50']:.0f} / {1000 * r['itl_p99']:.0f} | "
                      f"{r['peak_rss_mib']:.0f} | {r['errors']} |")
     return "\n".join(lines)

@@ -313,6 +313,39 @@ def test_result_does_not_depend_on_thread_count():
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dim", [16, 12])  # the vector path, and the scalar one (a dim not a multiple of 8)
+def test_plain_reads_of_many_sequences_at_once(dim):
+    """A server's batch reads every FP16 sequence in one call: each result equals the sequence read alone (bit for
+    bit: one task per head, whatever else is in the call, whatever the thread count) and the reference."""
+    gen = torch.Generator().manual_seed(6)
+    config = dataclasses.replace(CONFIG, fp_dtype="float32")
+    layers = []
+    for tokens, cfg in ((3, CONFIG), (700, CONFIG), (41, config)):  # window only; runs and window; float32
+        layer = KVGuardLayer("fp16", cfg)
+        _fill_dim(layer, tokens, gen, dim)
+        layers.append(layer)
+    steps = [(torch.randn(B, H_KV * REP, 1, dim, generator=gen), layer.stored_read(),
+              torch.randn(B, H_KV, 1, dim, generator=gen), torch.randn(B, H_KV, 1, dim, generator=gen))
+             for layer in layers]
+    assert all(fused_attention.plain(read) for _, read, _, _ in steps)
+    threads = torch.get_num_threads()
+    together = []
+    for n in (1, max(threads, 2)):
+        torch.set_num_threads(n)
+        together.append(fused_attention.attend_plain(steps, scaling=dim ** -0.5))
+    torch.set_num_threads(threads)
+    for (q, read, k, v), layer, one, many in zip(steps, layers, *together):
+        torch.testing.assert_close(one, many, rtol=0, atol=0)
+        alone = fused_attention.attend(q, read, k, v, None, scaling=dim ** -0.5)
+        torch.testing.assert_close(many, alone, rtol=0, atol=0)
+        torch.testing.assert_close(many, _reference(layer, q, k, v, None, dim ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def _fill_dim(layer: KVGuardLayer, tokens: int, gen: torch.Generator, dim: int) -> None:
+    k = torch.randn(B, H_KV, tokens, dim, generator=gen) * 2
+    layer.update(k, torch.randn(B, H_KV, tokens, dim, generator=gen))
+
+
 def _decode_logits(model, cache, fused: bool, steps: int, gen):
     decoder = CacheDecoder(model, cache, fused=fused)
     logits = [decoder.prefill(torch.randint(0, 128, (40,), generator=gen))]

@@ -24,6 +24,10 @@ columns, hence the same mask, as the materialized tensor):
   count), the rest by matmuls; values stored rotated give ``(p @ v R) R^T``. Overlay positions (``write_fp``)
   are scored from the overlay, and their columns are zeroed in the probabilities the run parts read.
 
+A one-token step over a read with no codes at all (an FP16 cache, or any cache still inside its full-precision
+window) takes a kernel of its own, ``plain_attend`` (:func:`attend_plain`): scores, softmax and values in one
+pass over the float16 / float32 rows where they lie, for every sequence of a server's batch in one call.
+
 The C++ kernels are compiled by the install (``make install`` runs ``python -m kvguard.fused_attention
 --build``) with ``torch.utils.cpp_extension`` into :func:`build_dir` (the venv, or ``$KVGUARD_HOME/kernels``
 outside one), for this machine's CPU (``-O3 -march=native``, OpenMP through ``at::parallel_for``). At run time
@@ -41,6 +45,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -202,7 +207,7 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
     A decode step (at most :data:`MAX_QUERY` query tokens, on the CPU, kernels built) reads the codes in C++; a
     longer chunk, or a step the kernels cannot take, reads the history a tile at a time
     (:mod:`kvguard.chunk_attention`), whose scores are not bias-corrected."""
-    if query.shape[2] == 1 and attention_mask is None and softcap is None and _plain(read):
+    if query.shape[2] == 1 and attention_mask is None and softcap is None and plain(read):
         return _attend_plain(query, read, key, value, scaling)
     if query.shape[2] <= MAX_QUERY and available(query.device):
         return attend_with_probs(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)[0]
@@ -211,7 +216,7 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
     return chunk_attention.attend(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)
 
 
-def _plain(read: StoredRead) -> bool:
+def plain(read: StoredRead) -> bool:
     """Whether ``read`` stores every column as plain tensors in the model's basis (an FP16 cache, or any cache
     still inside its full-precision window), with no overlay."""
     return read.overlay_columns is None and all(
@@ -221,20 +226,41 @@ def _plain(read: StoredRead) -> bool:
 
 def _attend_plain(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,
                   scaling: float) -> torch.Tensor:
-    """One new token's attention over a :func:`_plain` read: the segments and the new token copied into one float32
-    buffer per side, then one product each. Segment by segment, as :func:`attend_with_probs` goes, took 1.9x as long
-    at 640 tokens (two conversions, a product and a write per segment), and a server runs it per sequence and layer."""
-    b, hq, _, d = query.shape
-    hkv, n = key.shape[1], read.length
-    k = torch.empty(b, hkv, n + 1, d, dtype=torch.float32, device=query.device)
-    v = torch.empty_like(k)
-    for seg in read.segments:
-        k[:, :, seg.start:seg.stop], v[:, :, seg.start:seg.stop] = seg.keys, seg.values
-    k[:, :, n:], v[:, :, n:] = key, value
-    # Query head i reads KV head i // rep: [B, H_q, 1, D] -> [B, H_kv, rep, D].
-    q = (query.to(torch.float32) * scaling).reshape(b, hkv, hq // hkv, d)
-    out = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v  # [B, H_kv, rep, D]
-    return out.reshape(b, hq, 1, d).to(query.dtype)
+    return attend_plain([(query, read, key, value)], scaling=scaling)[0]
+
+
+def attend_plain(steps: Sequence[tuple[torch.Tensor, StoredRead, torch.Tensor, torch.Tensor]], *,
+                 scaling: float) -> list[torch.Tensor]:
+    """One new token's attention over :func:`plain` reads, for many sequences at once (a server's batch at one
+    layer): each step is ``(query [B, H_q, 1, D], read, key, value [B, H_kv, 1, D])``; one ``[B, H_q, 1, D]`` each.
+
+    The kernels' ``plain_attend`` reads the stored float16 / float32 rows where they lie, every sequence in one
+    parallel region. In a 16-sequence SmolLM2 decode step at about 600 tokens, per sequence and layer: copying
+    them into one float32 buffer per side and two products took 141 us, a kernel call per sequence 56 us, one
+    call for all of them 38 us. Without the kernels (or for another dtype) each step takes the copy and products."""
+    qs, keys, values = [], [], []
+    for query, read, key, value in steps:
+        b, hq, _, d = query.shape
+        # Query head i reads KV head i // rep: [B, H_q, 1, D] -> [B, H_kv, rep, D].
+        qs.append((query.to(torch.float32) * scaling).reshape(b, key.shape[1], hq // key.shape[1], d).contiguous())
+        keys.append([seg.keys for seg in read.segments] + [key])
+        values.append([seg.values for seg in read.segments] + [value])
+    ops = kernels() if steps and steps[0][0].device.type == "cpu" else None
+    if ops is not None and all(x.dtype in _PLAIN_DTYPES and x.stride(-1) == 1 for xs in keys + values for x in xs):
+        outs = ops.plain_attend(qs, keys, values)
+    else:
+        outs = [_plain_product(q, k, v) for q, k, v in zip(qs, keys, values)]
+    return [out.reshape(query.shape).to(query.dtype) for out, (query, *_) in zip(outs, steps)]
+
+
+_PLAIN_DTYPES = (torch.float16, torch.float32)  # what the kernels' plain_attend reads
+
+
+def _plain_product(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """softmax(q . k) @ v over the segments, copied into one float32 buffer per side: ``[B, H_kv, rep, D]``."""
+    k = torch.cat([x.to(torch.float32) for x in keys], dim=2)
+    v = torch.cat([x.to(torch.float32) for x in values], dim=2)
+    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
 
 
 # Said once per place where a read applies no softmax-bias correction although the cache asks for it.
