@@ -1,8 +1,8 @@
 """Serving many at once: the real server on loopback, driven by the official OpenAI client.
 
 Each row starts ``kvguard serve`` in a fresh process with one plan and one setting, sends ``--requests`` streamed
-completions at once (prompts of ``--prompt-tokens`` held-out Wikipedia tokens, each a different stretch; ``--new-tokens``
-tokens each, end-of-sequence ignored, greedy), and reports:
+completions at once (prompts of ``--prompt-tokens`` held-out Wikipedia tokens, sent as ids, each a different
+stretch; ``--new-tokens`` tokens each, end-of-sequence ignored, greedy), and reports:
 
 - generated tokens per second over the whole run, and **steady** tokens per second while requests were still
   waiting (from the first token of the last request to be admitted backwards to the first token of the one that
@@ -14,7 +14,7 @@ Tables (``--table``):
 
 - ``batching``: ``fp16`` with ``--requests`` requests, the batch as large as they are against ``--max-batch 1``
   (one sequence per forward, the others waiting): the batching target is >= 3x.
-- ``budget``: a KV budget equal to what ``--budget-fp16-seqs`` FP16 sequences need, a saturating load (more requests
+- ``budget``: a KV budget equal to what the server reserves for ``--budget-fp16-seqs`` FP16 requests, a saturating load (more requests
   than fit), each plan's steady tokens/s, then ``fp16`` at each plan's batch size with a budget large enough for it:
   the quantized reads' cost at batch (target >= 0.85x) and what the memory buys (the plain ratio to ``fp16`` at
   the same budget).
@@ -90,13 +90,14 @@ def server(model: str, profile: str, *flags: str):
             proc.kill()
 
 
-def prompts(model: str, n: int, tokens: int) -> list[str]:
-    """``n`` held-out prose prompts of about ``tokens`` tokens, each a different stretch of the eval split."""
+def prompts(model: str, n: int, tokens: int) -> list[list[int]]:
+    """``n`` held-out prose prompts of ``tokens`` token ids each, each a different stretch of the eval split (sent as
+    ids, so every prompt is exactly that long and the budget table can size its budget to the token)."""
     from kvguard import data, models
 
     tok = models.load_tokenizer(models.resolve(model))
     stream = data.token_stream("prose", "eval", tok, n * tokens + 1)[1:]
-    return [tok.decode(stream[i * tokens:(i + 1) * tokens].tolist()) for i in range(n)]
+    return [stream[i * tokens:(i + 1) * tokens].tolist() for i in range(n)]
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Result:
     cancelled: bool = False
 
 
-def drive(port: int, model: str, texts: list[str], new_tokens: int, disconnect_after: set[int] = frozenset()) -> list[Result]:
+def drive(port: int, model: str, texts: list[list[int]], new_tokens: int, disconnect_after: set[int] = frozenset()) -> list[Result]:
     """Send every prompt at once as a streamed completion; collect the chunks' times. Requests in
     ``disconnect_after`` close their connection after three chunks."""
     from openai import OpenAI
@@ -193,7 +194,7 @@ class BatchWatch:
         self.thread.join()
 
 
-def run(args, name: str, plan: str, loop: bool, budget: str, max_batch: int, texts: list[str],
+def run(args, name: str, plan: str, loop: bool, budget: str, max_batch: int, texts: list[list[int]],
         disconnect: set[int] = frozenset()) -> dict:
     flags = ["--plan", plan, "--kv-budget", budget, "--max-batch", str(max_batch), "--max-queue", str(len(texts))]
     flags += [] if loop else ["--no-loop"]
@@ -214,17 +215,20 @@ def run(args, name: str, plan: str, loop: bool, budget: str, max_batch: int, tex
     return row
 
 
-def fp16_budget(model: str, sequences: int, tokens: int) -> int:
-    """The KV bytes ``sequences`` FP16 sequences of ``tokens`` tokens store."""
+def fp16_budget(model: str, profile: str, sequences: int, tokens: int) -> int:
+    """The KV bytes the server reserves for ``sequences`` FP16 requests of ``tokens`` tokens (prompt and reply)
+    under ``profile``'s cache settings."""
     from kvguard import models
     from kvguard.architecture import Architecture
     from kvguard.plan import Plan
+    from kvguard.profile import Profile
+    from kvguard.serving.scheduler import Sizing
 
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(models.resolve(model))
-    stored, _ = Plan.uniform(Architecture.from_config(config), "fp16").kv_bytes(config, tokens)
-    return sequences * stored
+    plan = Plan.uniform(Architecture.from_config(config), "fp16", Profile.load(profile).plan.cache)
+    return sequences * Sizing.of(plan, config).reserve(tokens)
 
 
 def table(rows: list[dict]) -> str:
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run(args, "batched", "fp16", False, big, args.requests, texts))
         print(f"batched / one per forward: {rows[1]['tok_s'] / rows[0]['tok_s']:.2f}x tokens/s")
     elif args.table == "budget":
-        budget = str(fp16_budget(args.model, args.budget_fp16_seqs, args.prompt_tokens + args.new_tokens))
+        budget = str(fp16_budget(args.model, args.profile, args.budget_fp16_seqs, args.prompt_tokens + args.new_tokens))
         rows.append(run(args, "budget", "fp16", False, budget, args.requests, texts))
         for spec in args.plans.split(","):
             plan, _, loop = spec.partition(":")

@@ -314,25 +314,35 @@ def test_result_does_not_depend_on_thread_count():
 
 
 @pytest.mark.parametrize("dim", [16, 12])  # the vector path, and the scalar one (a dim not a multiple of 8)
-def test_plain_reads_of_many_sequences_at_once(dim):
-    """A server's batch reads every FP16 sequence in one call: each result equals the sequence read alone (bit for
-    bit: one task per head, whatever else is in the call, whatever the thread count) and the reference."""
+def test_many_sequences_in_one_pass(dim):
+    """A server's batch reads every sequence in one call, whatever its cache stores (FP16, codes of every width,
+    mixed heads, rotated sides, a float32 window): each result equals the sequence read alone (bit for bit: one
+    task per head, whatever else is in the call, whatever the thread count) and the reference."""
     gen = torch.Generator().manual_seed(6)
-    config = dataclasses.replace(CONFIG, fp_dtype="float32")
+    f32 = dataclasses.replace(CONFIG, fp_dtype="float32")
+    cases = [("fp16", CONFIG, 3), ("fp16", CONFIG, 70), ("fp16", f32, 41), ("int4", CONFIG, 70), ("int2", CONFIG, 33),
+             (("int4", "fp16", "int2"), CONFIG, 50), ("int8", f32, 45)]
+    if dim % 8 == 0:
+        cases += [("int3", CONFIG, 70)]
     layers = []
-    for tokens, cfg in ((3, CONFIG), (700, CONFIG), (41, config)):  # window only; runs and window; float32
-        layer = KVGuardLayer("fp16", cfg)
+    for i, (precision, cfg, tokens) in enumerate(cases):
+        layer = KVGuardLayer(precision, cfg if dim % 8 == 0 else dataclasses.replace(cfg, group_size=6))
+        if dim == 16:  # rotations are Hadamard transforms: a power of two
+            layer.set_rotation(i % 2 == 1, i % 3 == 1)
         _fill_dim(layer, tokens, gen, dim)
         layers.append(layer)
     steps = [(torch.randn(B, H_KV * REP, 1, dim, generator=gen), layer.stored_read(),
               torch.randn(B, H_KV, 1, dim, generator=gen), torch.randn(B, H_KV, 1, dim, generator=gen))
              for layer in layers]
-    assert all(fused_attention.plain(read) for _, read, _, _ in steps)
+    assert all(fused_attention.direct(read, q, k) for q, read, k, _ in steps)
+    if dim == 16:
+        assert any(seg.key_signs is not None for _, read, _, _ in steps for seg in read.segments)
+        assert any(seg.value_signs is not None for _, read, _, _ in steps for seg in read.segments)
     threads = torch.get_num_threads()
     together = []
     for n in (1, max(threads, 2)):
         torch.set_num_threads(n)
-        together.append(fused_attention.attend_plain(steps, scaling=dim ** -0.5))
+        together.append(fused_attention.attend_steps(steps, scaling=dim ** -0.5))
     torch.set_num_threads(threads)
     for (q, read, k, v), layer, one, many in zip(steps, layers, *together):
         torch.testing.assert_close(one, many, rtol=0, atol=0)
@@ -342,7 +352,7 @@ def test_plain_reads_of_many_sequences_at_once(dim):
 
 
 def _fill_dim(layer: KVGuardLayer, tokens: int, gen: torch.Generator, dim: int) -> None:
-    k = torch.randn(B, H_KV, tokens, dim, generator=gen) * 2
+    k = torch.randn(B, H_KV, tokens, dim, generator=gen) * 2 + torch.linspace(-1, 1, dim)  # per-channel offsets
     layer.update(k, torch.randn(B, H_KV, tokens, dim, generator=gen))
 
 

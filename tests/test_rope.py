@@ -165,8 +165,8 @@ def test_decoding_keys_before_rope_through_the_fused_kernels_equals_the_material
     if not fused_attention.available():
         pytest.skip("fused kernels not built: make install")
     calls = []
-    # A read of plain tensors only (every token still in the window) takes the plain product, the others the kernels.
-    for name in ("attend_with_probs", "_attend_plain"):
+    # A read of keys stored before RoPE goes segment by segment through the kernels, any other in one pass.
+    for name in ("attend_with_probs", "_attend_direct"):
         real = getattr(fused_attention, name)
         monkeypatch.setattr(fused_attention, name, lambda *a, real=real, **kw: calls.append(
             any(s.key_turn is not None for s in a[1].segments)) or real(*a, **kw))

@@ -470,8 +470,8 @@ void turned_key(float* x, int64_t D, const Turn& turn, int64_t h, int64_t t, flo
   }
 }
 
-// One query row's attention over plain K/V rows (plain_attend): the rows of segment i are keys[i] / values[i],
-// float16 or float32 [T_i, D] with row stride `stride`, D contiguous.
+// The rows of one head of a plain segment (decode_attend): float16 or float32 [T, D] with row stride `stride`,
+// D contiguous.
 struct PlainRows {
   const void* data;
   bool half;
@@ -529,16 +529,6 @@ inline float exp_shifted(float* p, int64_t n, float top) {
 #endif
   for (; j < n; ++j) total += (p[j] = std::exp(p[j] - top));
   return total;
-}
-
-std::vector<PlainRows> plain_rows(const std::vector<torch::Tensor>& parts, int64_t b, int64_t h) {
-  std::vector<PlainRows> rows;
-  rows.reserve(parts.size());
-  for (const auto& x : parts) {
-    const char* base = static_cast<const char*>(x.data_ptr()) + (b * x.stride(0) + h * x.stride(1)) * x.element_size();
-    rows.push_back({base, x.scalar_type() == torch::kHalf, x.size(2), x.stride(2)});
-  }
-  return rows;
 }
 
 inline const char* row_address(const PlainRows& s, int64_t t) {
@@ -613,73 +603,6 @@ void plain_values(const std::vector<PlainRows>& vs, const float* p, int64_t R, i
 }
 
 }  // namespace
-
-// softmax(q . k) @ v of one new token over plain (float16 / float32) keys and values, for many sequences at once
-// (a server's batch, one layer): item i has q[i] [B, H, R, D] float32 (already scaled) and keys[i] / values[i],
-// lists of [B, H, T_j, D] segments (the new token's K/V the last; the order of columns does not matter to the
-// result, only to its rounding). -> one [B, H, R, D] float32 per item. One task per (item, batch row, head): it
-// reads each stored key and value once for all R query rows, from where they lie (no float32 copy of the
-// history), and sums every output in column order, so the result does not depend on the thread count. One
-// parallel region for the whole batch: a region per sequence cost more in waking threads than the products.
-std::vector<torch::Tensor> plain_attend(const std::vector<torch::Tensor>& qs,
-                                        const std::vector<std::vector<torch::Tensor>>& keys,
-                                        const std::vector<std::vector<torch::Tensor>>& values) {
-  TORCH_CHECK(qs.size() == keys.size() && qs.size() == values.size(), "one key and value list per query");
-  struct Item {
-    const float* q;
-    float* out;
-    int64_t H, R, D, N;
-  };
-  std::vector<Item> items;
-  std::vector<int64_t> first;  // the first task of each item
-  std::vector<torch::Tensor> outs;
-  int64_t tasks = 0;
-  for (size_t i = 0; i < qs.size(); ++i) {
-    const auto& q = qs[i];
-    TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32 [B, H, R, D]");
-    const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
-    TORCH_CHECK(D <= kMaxDim, "head_dim ", D, " is over the kernels' bound ", kMaxDim);
-    TORCH_CHECK(keys[i].size() == values[i].size() && !keys[i].empty(), "one value segment per key segment, at least one");
-    int64_t N = 0;
-    for (size_t j = 0; j < keys[i].size(); ++j) {
-      for (const auto* x : {&keys[i][j], &values[i][j]}) {
-        TORCH_CHECK(x->dim() == 4 && x->size(0) == B && x->size(1) == H && x->size(3) == D && x->stride(3) == 1 &&
-                        (x->scalar_type() == torch::kHalf || x->scalar_type() == torch::kFloat),
-                    "segments must be float16 or float32 [B, H, T, D] with D contiguous");
-      }
-      TORCH_CHECK(keys[i][j].size(2) == values[i][j].size(2), "a key segment and its value segment differ in length");
-      N += keys[i][j].size(2);
-    }
-    outs.push_back(torch::empty({B, H, R, D}, q.options()));
-    items.push_back({q.data_ptr<float>(), outs.back().data_ptr<float>(), H, R, D, N});
-    first.push_back(tasks);
-    tasks += B * H;
-  }
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q, p, inverse;
-    for (int64_t task = begin; task < end; ++task) {
-      const size_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-      const Item& it = items[i];
-      const int64_t bh = task - first[i], b = bh / it.H, h = bh % it.H, D = it.D, N = it.N;
-      const int64_t rows = (it.R + kRowBlock - 1) / kRowBlock * kRowBlock;  // read four at a time; zero past R
-      q.assign(rows * D, 0.0f);
-      std::copy(it.q + bh * it.R * D, it.q + (bh + 1) * it.R * D, q.begin());
-      p.assign(rows * N, 0.0f);
-      const auto vs = plain_rows(values[i], b, h);
-      plain_scores(plain_rows(keys[i], b, h), vs, q.data(), it.R, D, p.data(), N);
-      inverse.resize(it.R);
-      for (int64_t r = 0; r < it.R; ++r) {
-        float* row = p.data() + r * N;
-        inverse[r] = 1.0f / exp_shifted(row, N, *std::max_element(row, row + N));
-      }
-      float* out = it.out + bh * it.R * D;
-      for (int64_t d0 = 0; d0 < D; d0 += (D % 8 == 0 ? 8 : D)) plain_values(vs, p.data(), it.R, N, d0, D, out);
-      for (int64_t r = 0; r < it.R; ++r)
-        for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inverse[r];
-    }
-  });
-  return outs;
-}
 
 void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& heads, const torch::Tensor& q,
                 const torch::Tensor& codes_t, const torch::Tensor& scale, const torch::Tensor& zero,
@@ -769,8 +692,241 @@ torch::Tensor value_accumulate(const torch::Tensor& p, int64_t column, const tor
   return partial.sum(1).view({B, H, R, D});
 }
 
+namespace {
+
+// One side (keys or values) of a segment of decode_attend: plain float16 / float32 rows, or codes.
+struct Side {
+  bool quantized = false;
+  const void* data = nullptr;  // plain: [B, h, T, D]
+  bool half = false;
+  int64_t sb = 0, sh = 0, st = 0;
+  Codes codes{};
+  Scales scales{};
+  PlainRows rows(int64_t b, int64_t h, int64_t T) const {
+    const char* base = static_cast<const char*>(data) + (b * sb + h * sh) * (half ? 2 : 4);
+    return {base, half, T, st};
+  }
+};
+
+// A segment of a read: columns [start, start + T) of some heads (`local`: layer head -> the segment's head, -1
+// where it holds none; empty: all), each side plain or codes, a side stored rotated with its [h, D, D] matrices.
+struct Segment {
+  int64_t start = 0, T = 0;
+  std::vector<int64_t> local;
+  Side k, v;
+  const float* key_rotation = nullptr;
+  const float* value_rotation = nullptr;
+  int64_t head(int64_t h) const { return local.empty() ? h : local[h]; }
+};
+
+Side side_of(const py::handle& obj, int64_t D, std::vector<torch::Tensor>& keep) {
+  Side side;
+  if (py::isinstance<py::tuple>(obj)) {  // (codes, scale, zero, table, bits, tokens_per_row, channels_per_entry)
+    const auto t = obj.cast<py::tuple>();
+    TORCH_CHECK(t.size() == 7, "a quantized side is (codes, scale, zero, table, bits, tokens per row, channels per entry)");
+    for (int i = 0; i < 4; ++i) keep.push_back(t[i].cast<torch::Tensor>());
+    const torch::Tensor* x = &keep[keep.size() - 4];
+    const int bits = t[4].cast<int>();
+    check_dims(D, bits);
+    side.quantized = true;
+    side.codes = codes_of(x[0], bits);
+    side.scales = scales_of(x[1], x[2], x[3], t[5].cast<int64_t>(), t[6].cast<int64_t>());
+    return side;
+  }
+  keep.push_back(obj.cast<torch::Tensor>());
+  const torch::Tensor& x = keep.back();
+  TORCH_CHECK(x.dim() == 4 && x.size(3) == D && x.stride(3) == 1 &&
+                  (x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kFloat),
+              "a plain side must be float16 or float32 [B, h, T, D] with D contiguous");
+  side.data = x.data_ptr();
+  side.half = x.scalar_type() == torch::kHalf;
+  side.sb = x.stride(0), side.sh = x.stride(1), side.st = x.stride(2);
+  return side;
+}
+
+const float* rotation_of(const py::handle& obj, int64_t heads, int64_t D, std::vector<torch::Tensor>& keep) {
+  if (obj.is_none()) return nullptr;
+  keep.push_back(obj.cast<torch::Tensor>());
+  const torch::Tensor& m = keep.back();
+  TORCH_CHECK(m.scalar_type() == torch::kFloat && m.is_contiguous() && m.dim() == 3 && m.size(0) == heads &&
+                  m.size(1) == D && m.size(2) == D, "a rotation must be contiguous float32 [h, D, D]");
+  return m.data_ptr<float>();
+}
+
+// (start, length, heads, keys, values, key rotation, value rotation): see decode_attend.
+Segment segment_of(const py::handle& obj, int64_t H, int64_t D, std::vector<torch::Tensor>& keep) {
+  const auto t = obj.cast<py::tuple>();
+  TORCH_CHECK(t.size() == 7, "a segment is (start, length, heads, keys, values, key rotation, value rotation)");
+  Segment seg;
+  seg.start = t[0].cast<int64_t>(), seg.T = t[1].cast<int64_t>();
+  int64_t heads = H;
+  if (!t[2].is_none()) {
+    const auto index = t[2].cast<torch::Tensor>();
+    TORCH_CHECK(index.scalar_type() == torch::kLong && index.dim() == 1, "heads must be an int64 vector");
+    heads = index.numel();
+    seg.local.assign(H, -1);
+    const auto* map = index.data_ptr<int64_t>();
+    for (int64_t i = 0; i < heads; ++i) {
+      TORCH_CHECK(map[i] >= 0 && map[i] < H, "head index out of range");
+      seg.local[map[i]] = i;
+    }
+  }
+  seg.k = side_of(t[3], D, keep), seg.v = side_of(t[4], D, keep);
+  seg.key_rotation = rotation_of(t[5], heads, D, keep), seg.value_rotation = rotation_of(t[6], heads, D, keep);
+  return seg;
+}
+
+// x [R, D] (row stride D) times M [D, D] into out, M^T where `transpose`: the rotation of a query row or of a
+// rotated value sum back.
+void times(const float* x, const float* m, int64_t R, int64_t D, bool transpose, float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t e = 0; e < D; ++e) {
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) acc += x[r * D + d] * (transpose ? m[e * D + d] : m[d * D + e]);
+      out[r * D + e] = acc;
+    }
+  }
+}
+
+// p[r, start + t] = q[r] . key t of one head of a segment (q padded to a multiple of kRowBlock rows).
+void segment_scores(const Segment& seg, int64_t b, int64_t h, const float* q, int64_t R, int64_t D, float* p,
+                    int64_t N) {
+  float key[kMaxDim], sc[kMaxDim], zr[kMaxDim];
+  if (!seg.k.quantized) {  // plain_scores prefetches the values' rows too, where they are plain
+    const std::vector<PlainRows> ks{seg.k.rows(b, h, seg.T)};
+    const std::vector<PlainRows> vs{seg.v.quantized ? ks[0] : seg.v.rows(b, h, seg.T)};
+    plain_scores(ks, vs, q, R, D, p + seg.start, N);
+    return;
+  }
+  const Codes& codes = seg.k.codes;
+  const Scales& s = seg.k.scales;
+  int64_t loaded = -1;
+  for (int64_t t = 0; t < seg.T; ++t) {
+    const int64_t row = s.sr == 0 ? 0 : t / s.tokens_per_row;
+    if (row != loaded) load_row(s, b, h, row, D, sc, zr), loaded = row;
+    key_dots(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, q, R,
+             p + seg.start + t, N, key);
+  }
+}
+
+// out[r] = sum_t p[r, start + t] value t, of one head of a segment (written, not added).
+void segment_values(const Segment& seg, int64_t b, int64_t h, const float* p, int64_t R, int64_t N, int64_t D,
+                    float* out) {
+  if (!seg.v.quantized) {
+    const std::vector<PlainRows> vs{seg.v.rows(b, h, seg.T)};
+    for (int64_t d0 = 0; d0 < D; d0 += (D % 8 == 0 ? 8 : D)) plain_values(vs, p + seg.start, R, N, d0, D, out);
+    return;
+  }
+  const Codes& codes = seg.v.codes;
+  const Scales& s = seg.v.scales;
+  const Target src{const_cast<float*>(p), 0, 0, N, nullptr, seg.start};
+  if (values_per_token(codes, s, src, b, h, 0, seg.T, R, D, out)) return;
+  std::fill(out, out + R * D, 0.0f);
+  float sc[kMaxDim], zr[kMaxDim], value[kMaxDim];
+  int64_t loaded = -1;
+  for (int64_t t = 0; t < seg.T; ++t) {
+    const int64_t row = s.sr == 0 ? 0 : t / s.tokens_per_row;
+    if (row != loaded) load_row(s, b, h, row, D, sc, zr), loaded = row;
+    dequantize_codes(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, value);
+    for (int64_t r = 0; r < R; ++r) {
+      const float w = p[r * N + seg.start + t];
+      for (int64_t d = 0; d < D; ++d) out[r * D + d] += w * value[d];
+    }
+  }
+}
+
+}  // namespace
+
+// softmax(q . k) @ v of one new token for many sequences at once (a server's batch at one layer, or one sequence
+// decoding alone), reading every stored segment where it lies: plain float16 / float32 rows, or codes (dequantized
+// in registers, as key_scores / value_accumulate do). Item i: q[i] [B, H, R, D] float32 (scaled), N[i] columns,
+// and segments[i], each (start, length, heads or None, keys, values, key rotation or None, value rotation or None)
+// where a side is a [B, h, T, D] tensor or the tuple (codes, scale, zero, table, bits, tokens_per_row,
+// channels_per_entry) of key_scores, and a rotation the [h, D, D] matrices R of a side stored as x R (scored
+// against q R; a value sum read back by R^T). The segments' columns cover [0, N) once per head; the new token is
+// a plain segment like the others. -> one [B, H, R, D] float32 per item. One task per (item, batch row, head):
+// scores, softmax and values in one pass, every output summed in column order whatever the thread count, in one
+// parallel region for the batch (a call per sequence woke the threads more often than they worked).
+std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, const std::vector<int64_t>& columns,
+                                         const std::vector<py::list>& segments) {
+  TORCH_CHECK(qs.size() == columns.size() && qs.size() == segments.size(), "one column count and segment list per query");
+  struct Item {
+    const float* q;
+    float* out;
+    int64_t H, R, D, N;
+    std::vector<Segment> segments;
+  };
+  std::vector<torch::Tensor> keep, outs;
+  std::vector<Item> items;
+  std::vector<int64_t> first;  // the first task of each item
+  int64_t tasks = 0;
+  for (size_t i = 0; i < qs.size(); ++i) {
+    const auto& q = qs[i];
+    TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32 [B, H, R, D]");
+    const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
+    TORCH_CHECK(D <= kMaxDim, "head_dim ", D, " is over the kernels' bound ", kMaxDim);
+    Item item{q.data_ptr<float>(), nullptr, H, R, D, columns[i], {}};
+    for (const auto& obj : segments[i]) {
+      item.segments.push_back(segment_of(obj, H, D, keep));
+      const Segment& seg = item.segments.back();
+      TORCH_CHECK(seg.start >= 0 && seg.start + seg.T <= item.N, "a segment of ", seg.T, " columns from ", seg.start,
+                  " does not fit ", item.N, " columns");
+    }
+    outs.push_back(torch::empty({B, H, R, D}, q.options()));
+    item.out = outs.back().data_ptr<float>();
+    items.push_back(std::move(item));
+    first.push_back(tasks);
+    tasks += B * H;
+  }
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q, turned, p, part, back;
+    for (int64_t task = begin; task < end; ++task) {
+      const size_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      const Item& it = items[i];
+      const int64_t bh = task - first[i], b = bh / it.H, h = bh % it.H, D = it.D, N = it.N, R = it.R;
+      const int64_t rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;  // read four at a time; zero past R
+      q.assign(rows * D, 0.0f);
+      std::copy(it.q + bh * R * D, it.q + (bh + 1) * R * D, q.begin());
+      p.assign(rows * N, 0.0f);
+      for (const auto& seg : it.segments) {
+        const int64_t sh = seg.head(h);
+        if (sh < 0) continue;
+        const float* qs_ = q.data();
+        if (seg.key_rotation) {  // (q R) . (k R) = q . k
+          turned.assign(rows * D, 0.0f);
+          times(q.data(), seg.key_rotation + sh * D * D, R, D, false, turned.data());
+          qs_ = turned.data();
+        }
+        segment_scores(seg, b, sh, qs_, R, D, p.data(), N);
+      }
+      std::vector<float> inverse(R);
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = p.data() + r * N;
+        inverse[r] = 1.0f / exp_shifted(row, N, *std::max_element(row, row + N));
+      }
+      float* out = it.out + bh * R * D;
+      std::fill(out, out + R * D, 0.0f);
+      part.resize(R * D);
+      for (const auto& seg : it.segments) {
+        const int64_t sh = seg.head(h);
+        if (sh < 0) continue;
+        segment_values(seg, b, sh, p.data(), R, N, D, part.data());
+        if (seg.value_rotation) {  // (p @ v R) R^T = p @ v
+          back.resize(R * D);
+          times(part.data(), seg.value_rotation + sh * D * D, R, D, true, back.data());
+          part.swap(back);
+        }
+        for (int64_t j = 0; j < R * D; ++j) out[j] += part[j];
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inverse[r];
+    }
+  });
+  return outs;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("key_scores", &key_scores, "writes q . dequantized keys, read from the codes, into scores[:, heads, :, column:]");
-  m.def("plain_attend", &plain_attend, "softmax(q . k) @ v of one new token over plain float16 / float32 K/V segments, for many sequences");
+  m.def("decode_attend", &decode_attend, "softmax(q . k) @ v of one new token over stored segments (plain rows or codes), for many sequences");
   m.def("value_accumulate", &value_accumulate, "p[:, heads, :, column:] @ dequantized values, read from the codes: [B, h, R, D]");
 }

@@ -24,9 +24,9 @@ columns, hence the same mask, as the materialized tensor):
   count), the rest by matmuls; values stored rotated give ``(p @ v R) R^T``. Overlay positions (``write_fp``)
   are scored from the overlay, and their columns are zeroed in the probabilities the run parts read.
 
-A one-token step over a read with no codes at all (an FP16 cache, or any cache still inside its full-precision
-window) takes a kernel of its own, ``plain_attend`` (:func:`attend_plain`): scores, softmax and values in one
-pass over the float16 / float32 rows where they lie, for every sequence of a server's batch in one call.
+The common step, one new token without a mask, takes one kernel for the whole read, ``decode_attend``
+(:func:`attend_steps`): scores, softmax and values in one pass per head over every segment where it lies (float16
+rows, or codes dequantized in registers), for every sequence of a server's batch in one call.
 
 The C++ kernels are compiled by the install (``make install`` runs ``python -m kvguard.fused_attention
 --build``) with ``torch.utils.cpp_extension`` into :func:`build_dir` (the venv, or ``$KVGUARD_HOME/kernels``
@@ -204,11 +204,12 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
     """Attention of ``query`` (``[B, H_q, T_q, D]``) over ``read`` followed by the new ``key`` / ``value``
     (``[B, H_kv, T_q, D]``): ``[B, H_q, T_q, D]`` in the query's dtype.
 
-    A decode step (at most :data:`MAX_QUERY` query tokens, on the CPU, kernels built) reads the codes in C++; a
-    longer chunk, or a step the kernels cannot take, reads the history a tile at a time
-    (:mod:`kvguard.chunk_attention`), whose scores are not bias-corrected."""
-    if query.shape[2] == 1 and attention_mask is None and softcap is None and plain(read):
-        return _attend_plain(query, read, key, value, scaling)
+    A decode step (at most :data:`MAX_QUERY` query tokens, on the CPU, kernels built) reads the codes in C++ (one
+    new token without a mask, the common step, in one pass: :func:`attend_steps`); a longer chunk, or a step the
+    kernels cannot take, reads the history a tile at a time (:mod:`kvguard.chunk_attention`), whose scores are
+    not bias-corrected."""
+    if query.shape[2] == 1 and attention_mask is None and softcap is None and direct(read, query, key):
+        return _attend_direct(query, read, key, value, scaling)
     if query.shape[2] <= MAX_QUERY and available(query.device):
         return attend_with_probs(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)[0]
     if read.score_correction and any(seg.quantized for seg in read.segments):
@@ -216,51 +217,68 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
     return chunk_attention.attend(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)
 
 
-def plain(read: StoredRead) -> bool:
-    """Whether ``read`` stores every column as plain tensors in the model's basis (an FP16 cache, or any cache
-    still inside its full-precision window), with no overlay."""
-    return read.overlay_columns is None and all(
-        not seg.quantized and seg.heads is None and seg.key_signs is None and seg.value_signs is None
-        and seg.key_turn is None for seg in read.segments)
+_PLAIN_DTYPES = (torch.float16, torch.float32)  # the plain rows decode_attend reads
 
 
-def _attend_plain(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,
-                  scaling: float) -> torch.Tensor:
-    return attend_plain([(query, read, key, value)], scaling=scaling)[0]
+def direct(read: StoredRead, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the kernels' one-pass ``decode_attend`` can take a one-token step of ``query`` / ``key`` over
+    ``read``: kernels built, on the CPU, no overlay, no keys stored before RoPE, no softmax-bias correction, plain
+    rows in float16 / float32 (any other step goes through :func:`attend_with_probs`)."""
+    if query.device.type != "cpu" or kernels() is None or read.overlay_columns is not None or read.score_correction:
+        return False
+    if key.dtype not in _PLAIN_DTYPES:
+        return False
+    return all(seg.key_turn is None and (seg.quantized or seg.keys.dtype in _PLAIN_DTYPES)
+               and (isinstance(seg.values, QuantizedTensor) or seg.values.dtype in _PLAIN_DTYPES)
+               for seg in read.segments)
 
 
-def attend_plain(steps: Sequence[tuple[torch.Tensor, StoredRead, torch.Tensor, torch.Tensor]], *,
+def _attend_direct(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    return attend_steps([(query, read, key, value)], scaling=scaling)[0]
+
+
+def attend_steps(steps: Sequence[tuple[torch.Tensor, StoredRead, torch.Tensor, torch.Tensor]], *,
                  scaling: float) -> list[torch.Tensor]:
-    """One new token's attention over :func:`plain` reads, for many sequences at once (a server's batch at one
-    layer): each step is ``(query [B, H_q, 1, D], read, key, value [B, H_kv, 1, D])``; one ``[B, H_q, 1, D]`` each.
+    """One new token's attention for many sequences at once (a server's batch at one layer), each step
+    ``(query [B, H_q, 1, D], read, key, value [B, H_kv, 1, D])`` with :func:`direct` true; one ``[B, H_q, 1, D]``
+    each.
 
-    The kernels' ``plain_attend`` reads the stored float16 / float32 rows where they lie, every sequence in one
-    parallel region. In a 16-sequence SmolLM2 decode step at about 600 tokens, per sequence and layer: copying
-    them into one float32 buffer per side and two products took 141 us, a kernel call per sequence 56 us, one
-    call for all of them 38 us. Without the kernels (or for another dtype) each step takes the copy and products."""
-    qs, keys, values = [], [], []
+    The kernels' ``decode_attend`` reads every stored segment where it lies (float16 rows, or codes dequantized in
+    registers), scores, softmax and values in one pass per head, and every sequence in one parallel region. In a
+    16-sequence SmolLM2 decode step at about 600 tokens, per sequence and layer: for an FP16 cache, copying the
+    rows into one float32 buffer per side and two products took 141 us, a kernel call per sequence 56 us, one
+    call for all of them 38 us; for INT4, the segment-by-segment read (:func:`attend_with_probs`, a dozen
+    small torch ops around its two kernel calls) took 215 us, the one pass 53 us."""
+    qs, columns, segments = [], [], []
     for query, read, key, value in steps:
         b, hq, _, d = query.shape
+        hkv = key.shape[1]
         # Query head i reads KV head i // rep: [B, H_q, 1, D] -> [B, H_kv, rep, D].
-        qs.append((query.to(torch.float32) * scaling).reshape(b, key.shape[1], hq // key.shape[1], d).contiguous())
-        keys.append([seg.keys for seg in read.segments] + [key])
-        values.append([seg.values for seg in read.segments] + [value])
-    ops = kernels() if steps and steps[0][0].device.type == "cpu" else None
-    if ops is not None and all(x.dtype in _PLAIN_DTYPES and x.stride(-1) == 1 for xs in keys + values for x in xs):
-        outs = ops.plain_attend(qs, keys, values)
-    else:
-        outs = [_plain_product(q, k, v) for q, k, v in zip(qs, keys, values)]
+        qs.append((query.to(torch.float32) * scaling).reshape(b, hkv, hq // hkv, d).contiguous())
+        columns.append(read.length + 1)
+        segments.append([_segment(seg, b, hkv) for seg in read.segments]
+                        + [(read.length, 1, None, _rows(key), _rows(value), None, None)])
+    outs = kernels().decode_attend(qs, columns, segments)
     return [out.reshape(query.shape).to(query.dtype) for out, (query, *_) in zip(outs, steps)]
 
 
-_PLAIN_DTYPES = (torch.float16, torch.float32)  # what the kernels' plain_attend reads
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _plain_product(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """softmax(q . k) @ v over the segments, copied into one float32 buffer per side: ``[B, H_kv, rep, D]``."""
-    k = torch.cat([x.to(torch.float32) for x in keys], dim=2)
-    v = torch.cat([x.to(torch.float32) for x in values], dim=2)
-    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+def _segment(seg: StoredSegment, batch: int, hkv: int) -> tuple:
+    """``seg`` as ``decode_attend`` takes it: (start, length, heads, keys, values, key rotation, value rotation),
+    a side as its rows or its codes (:func:`_codes`), a rotation as its ``[h, D, D]`` float32 matrices."""
+    h = hkv if seg.heads is None else seg.heads.numel()
+    rotation = None if seg.rotation is None else seg.rotation.to(torch.float32).contiguous()
+
+    def side(x):
+        return _codes(x, batch, h) if isinstance(x, QuantizedTensor) else _rows(x)
+
+    heads = None if seg.heads is None else seg.heads.contiguous()
+    return (seg.start, seg.length, heads, side(seg.keys), side(seg.values),
+            rotation if seg.key_signs is not None else None, rotation if seg.value_signs is not None else None)
 
 
 # Said once per place where a read applies no softmax-bias correction although the cache asks for it.

@@ -138,13 +138,13 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     each sequence's queries over its own stored past and its own new tokens. ``[1, H_q, T, D]``."""
     out = torch.empty_like(query)
     window = getattr(module, "sliding_window", None)
-    # Every sequence decoding one token over a plain read (an FP16 cache, or one still in its full-precision
-    # window) in one kernel call: per sequence, the call and its threads' wake-up cost more than its products.
+    # Every sequence decoding one token in one kernel call: per sequence, the call and its threads' wake-up cost
+    # more than its products.
     together = [s for s in read.slices if s.length == 1 and s.hook is None and s.read is not None and not window
-                and softcap is None and fused_attention.plain(s.read)]
+                and softcap is None and fused_attention.direct(s.read, query, key)]
     cols = [slice(s.start, s.start + 1) for s in together]
     steps = [(query[:, :, c], s.read, key[:, :, c], value[:, :, c]) for s, c in zip(together, cols)]
-    for c, o in zip(cols, fused_attention.attend_plain(steps, scaling=scaling)):
+    for c, o in zip(cols, fused_attention.attend_steps(steps, scaling=scaling) if steps else []):
         out[:, :, c] = o
     for s in read.slices:
         if any(s is t for t in together):
