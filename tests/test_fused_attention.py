@@ -330,11 +330,16 @@ def test_many_sequences_in_one_pass(dim):
         if dim == 16:  # rotations are Hadamard transforms: a power of two
             layer.set_rotation(i % 2 == 1, i % 3 == 1)
         _fill_dim(layer, tokens, gen, dim)
+        quantized = layer.quantized_positions()
+        if i % 2 == 0 and quantized.numel():  # positions the loop restored: the overlay wins over the codes
+            at = quantized[torch.tensor([0, quantized.numel() // 2, quantized.numel() - 1])]
+            layer.write_fp(at, torch.randn(B, H_KV, 3, dim, generator=gen), torch.randn(B, H_KV, 3, dim, generator=gen))
         layers.append(layer)
     steps = [(torch.randn(B, H_KV * REP, 1, dim, generator=gen), layer.stored_read(),
               torch.randn(B, H_KV, 1, dim, generator=gen), torch.randn(B, H_KV, 1, dim, generator=gen))
              for layer in layers]
     assert all(fused_attention.direct(read, q, k) for q, read, k, _ in steps)
+    assert sum(read.overlay_columns is not None for _, read, _, _ in steps) >= 2
     if dim == 16:
         assert any(seg.key_signs is not None for _, read, _, _ in steps for seg in read.segments)
         assert any(seg.value_signs is not None for _, read, _, _ in steps for seg in read.segments)
@@ -342,13 +347,20 @@ def test_many_sequences_in_one_pass(dim):
     together = []
     for n in (1, max(threads, 2)):
         torch.set_num_threads(n)
-        together.append(fused_attention.attend_steps(steps, scaling=dim ** -0.5))
+        together.append(fused_attention.attend_steps(steps, scaling=dim ** -0.5,
+                                                     probabilities=[i % 2 == 0 for i in range(len(steps))]))
     torch.set_num_threads(threads)
-    for (q, read, k, v), layer, one, many in zip(steps, layers, *together):
+    for i, ((q, read, k, v), layer, (one, _), (many, probs)) in enumerate(zip(steps, layers, *together)):
         torch.testing.assert_close(one, many, rtol=0, atol=0)
         alone = fused_attention.attend(q, read, k, v, None, scaling=dim ** -0.5)
         torch.testing.assert_close(many, alone, rtol=0, atol=0)
         torch.testing.assert_close(many, _reference(layer, q, k, v, None, dim ** -0.5), rtol=1e-5, atol=1e-5)
+        assert (probs is None) == (i % 2 == 1)
+        if probs is not None:  # what the monitor reads: the softmax over the stored columns and the new token
+            past_k, _ = layer.materialize(torch.float32)
+            keys = torch.cat([past_k, k], dim=-2)  # [B, H_kv, N, D]
+            expected = torch.softmax(q.view(B, H_KV, REP, dim) @ keys.transpose(-1, -2) * dim ** -0.5, dim=-1)
+            torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-6)
 
 
 def _fill_dim(layer: KVGuardLayer, tokens: int, gen: torch.Generator, dim: int) -> None:

@@ -844,19 +844,28 @@ void segment_values(const Segment& seg, int64_t b, int64_t h, const float* p, in
 // where a side is a [B, h, T, D] tensor or the tuple (codes, scale, zero, table, bits, tokens_per_row,
 // channels_per_entry) of key_scores, and a rotation the [h, D, D] matrices R of a side stored as x R (scored
 // against q R; a value sum read back by R^T). The segments' columns cover [0, N) once per head; the new token is
-// a plain segment like the others. -> one [B, H, R, D] float32 per item. One task per (item, batch row, head):
-// scores, softmax and values in one pass, every output summed in column order whatever the thread count, in one
-// parallel region for the batch (a call per sequence woke the threads more often than they worked).
+// a plain segment like the others; overlays[i] is None or (columns [P], keys, values [B, H, P, D]), plain rows
+// served at those columns instead of the segments'. -> one [B, H, R, D] float32 per item, then, for each item whose
+// `probabilities` flag is set, its softmax [B, H, R, N] (what the run-time monitor reads its entropy from). One
+// task per (item, batch row, head): scores, softmax and values in one pass, every output summed in column order
+// whatever the thread count, in one parallel region for the batch (a call per sequence woke the threads more
+// often than they worked).
 std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, const std::vector<int64_t>& columns,
-                                         const std::vector<py::list>& segments) {
-  TORCH_CHECK(qs.size() == columns.size() && qs.size() == segments.size(), "one column count and segment list per query");
+                                         const std::vector<py::list>& segments, const std::vector<py::object>& overlays,
+                                         const std::vector<bool>& probabilities) {
+  TORCH_CHECK(qs.size() == columns.size() && qs.size() == segments.size() && qs.size() == overlays.size() &&
+                  qs.size() == probabilities.size(),
+              "one column count, segment list, overlay and probabilities flag per query");
   struct Item {
     const float* q;
     float* out;
+    float* probs;  // nullptr: not asked for
     int64_t H, R, D, N;
     std::vector<Segment> segments;
+    std::vector<int64_t> overlay;  // columns served from the overlay's rows (ok, ov) instead of the segments
+    Side ok, ov;
   };
-  std::vector<torch::Tensor> keep, outs;
+  std::vector<torch::Tensor> keep, outs, probs;
   std::vector<Item> items;
   std::vector<int64_t> first;  // the first task of each item
   int64_t tasks = 0;
@@ -865,21 +874,35 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
     TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32 [B, H, R, D]");
     const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
     TORCH_CHECK(D <= kMaxDim, "head_dim ", D, " is over the kernels' bound ", kMaxDim);
-    Item item{q.data_ptr<float>(), nullptr, H, R, D, columns[i], {}};
+    Item item{q.data_ptr<float>(), nullptr, nullptr, H, R, D, columns[i], {}, {}, {}, {}};
     for (const auto& obj : segments[i]) {
       item.segments.push_back(segment_of(obj, H, D, keep));
       const Segment& seg = item.segments.back();
       TORCH_CHECK(seg.start >= 0 && seg.start + seg.T <= item.N, "a segment of ", seg.T, " columns from ", seg.start,
                   " does not fit ", item.N, " columns");
     }
+    if (!overlays[i].is_none()) {  // (columns [P] int64, keys, values [B, H, P, D])
+      const auto t = overlays[i].cast<py::tuple>();
+      TORCH_CHECK(t.size() == 3, "an overlay is (columns, keys, values)");
+      const auto cols = t[0].cast<torch::Tensor>().contiguous();
+      TORCH_CHECK(cols.scalar_type() == torch::kLong && cols.dim() == 1, "overlay columns must be an int64 vector");
+      item.overlay.assign(cols.data_ptr<int64_t>(), cols.data_ptr<int64_t>() + cols.numel());
+      for (const int64_t c : item.overlay) TORCH_CHECK(c >= 0 && c < item.N, "overlay column out of range");
+      item.ok = side_of(t[1], D, keep), item.ov = side_of(t[2], D, keep);
+      TORCH_CHECK(!item.ok.quantized && !item.ov.quantized, "the overlay holds plain rows");
+    }
     outs.push_back(torch::empty({B, H, R, D}, q.options()));
     item.out = outs.back().data_ptr<float>();
+    if (probabilities[i]) {
+      probs.push_back(torch::empty({B, H, R, item.N}, q.options()));
+      item.probs = probs.back().data_ptr<float>();
+    }
     items.push_back(std::move(item));
     first.push_back(tasks);
     tasks += B * H;
   }
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q, turned, p, part, back;
+    std::vector<float> q, turned, p, part, back, weight;
     for (int64_t task = begin; task < end; ++task) {
       const size_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const Item& it = items[i];
@@ -899,6 +922,15 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
         }
         segment_scores(seg, b, sh, qs_, R, D, p.data(), N);
       }
+      const int64_t P = it.overlay.size();
+      if (P) {  // the overlay's keys win over the codes at its columns
+        const PlainRows ok = it.ok.rows(b, h, P);
+        float key[kMaxDim];
+        for (int64_t j = 0; j < P; ++j) {
+          plain_row(ok, j, D, key);
+          row_dots(KeyInMemory{key}, D, q.data(), R, p.data() + it.overlay[j], N, key);
+        }
+      }
       std::vector<float> inverse(R);
       for (int64_t r = 0; r < R; ++r) {
         float* row = p.data() + r * N;
@@ -907,6 +939,16 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
       float* out = it.out + bh * R * D;
       std::fill(out, out + R * D, 0.0f);
       part.resize(R * D);
+      if (it.probs)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t c = 0; c < N; ++c) it.probs[(bh * R + r) * N + c] = p[r * N + c] * inverse[r];
+      if (P) {  // the overlay's values at its columns, which the segments then read with weight zero
+        weight.assign(rows * P, 0.0f);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t j = 0; j < P; ++j) std::swap(weight[r * P + j], p[r * N + it.overlay[j]]);
+        const std::vector<PlainRows> ovs{it.ov.rows(b, h, P)};
+        for (int64_t d0 = 0; d0 < D; d0 += (D % 8 == 0 ? 8 : D)) plain_values(ovs, weight.data(), R, P, d0, D, out);
+      }
       for (const auto& seg : it.segments) {
         const int64_t sh = seg.head(h);
         if (sh < 0) continue;
@@ -922,6 +964,7 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
         for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inverse[r];
     }
   });
+  outs.insert(outs.end(), probs.begin(), probs.end());
   return outs;
 }
 

@@ -222,11 +222,12 @@ _PLAIN_DTYPES = (torch.float16, torch.float32)  # the plain rows decode_attend r
 
 def direct(read: StoredRead, query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether the kernels' one-pass ``decode_attend`` can take a one-token step of ``query`` / ``key`` over
-    ``read``: kernels built, on the CPU, no overlay, no keys stored before RoPE, no softmax-bias correction, plain
+    ``read``: kernels built, on the CPU, no keys stored before RoPE, no softmax-bias correction, plain
     rows in float16 / float32 (any other step goes through :func:`attend_with_probs`)."""
-    if query.device.type != "cpu" or kernels() is None or read.overlay_columns is not None or read.score_correction:
+    if query.device.type != "cpu" or kernels() is None or read.score_correction:
         return False
-    if key.dtype not in _PLAIN_DTYPES:
+    overlay = read.overlay_keys is not None and read.overlay_keys.dtype not in _PLAIN_DTYPES
+    if key.dtype not in _PLAIN_DTYPES or overlay:
         return False
     return all(seg.key_turn is None and (seg.quantized or seg.keys.dtype in _PLAIN_DTYPES)
                and (isinstance(seg.values, QuantizedTensor) or seg.values.dtype in _PLAIN_DTYPES)
@@ -235,14 +236,15 @@ def direct(read: StoredRead, query: torch.Tensor, key: torch.Tensor) -> bool:
 
 def _attend_direct(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torch.Tensor,
                    scaling: float) -> torch.Tensor:
-    return attend_steps([(query, read, key, value)], scaling=scaling)[0]
+    return attend_steps([(query, read, key, value)], scaling=scaling)[0][0]
 
 
-def attend_steps(steps: Sequence[tuple[torch.Tensor, StoredRead, torch.Tensor, torch.Tensor]], *,
-                 scaling: float) -> list[torch.Tensor]:
+def attend_steps(steps: Sequence[tuple[torch.Tensor, StoredRead, torch.Tensor, torch.Tensor]], *, scaling: float,
+                 probabilities: Sequence[bool] = ()) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """One new token's attention for many sequences at once (a server's batch at one layer), each step
-    ``(query [B, H_q, 1, D], read, key, value [B, H_kv, 1, D])`` with :func:`direct` true; one ``[B, H_q, 1, D]``
-    each.
+    ``(query [B, H_q, 1, D], read, key, value [B, H_kv, 1, D])`` with :func:`direct` true: per step its output
+    ``[B, H_q, 1, D]`` and, where ``probabilities`` says so, the softmax ``[B, H_kv, rep, N]`` (float32; the
+    stored columns then the new token's), which the run-time monitor reads; else ``None``.
 
     The kernels' ``decode_attend`` reads every stored segment where it lies (float16 rows, or codes dequantized in
     registers), scores, softmax and values in one pass per head, and every sequence in one parallel region. In a
@@ -250,7 +252,7 @@ def attend_steps(steps: Sequence[tuple[torch.Tensor, StoredRead, torch.Tensor, t
     rows into one float32 buffer per side and two products took 141 us, a kernel call per sequence 56 us, one
     call for all of them 38 us; for INT4, the segment-by-segment read (:func:`attend_with_probs`, a dozen
     small torch ops around its two kernel calls) took 215 us, the one pass 53 us."""
-    qs, columns, segments = [], [], []
+    qs, columns, segments, overlays = [], [], [], []
     for query, read, key, value in steps:
         b, hq, _, d = query.shape
         hkv = key.shape[1]
@@ -259,8 +261,13 @@ def attend_steps(steps: Sequence[tuple[torch.Tensor, StoredRead, torch.Tensor, t
         columns.append(read.length + 1)
         segments.append([_segment(seg, b, hkv) for seg in read.segments]
                         + [(read.length, 1, None, _rows(key), _rows(value), None, None)])
-    outs = kernels().decode_attend(qs, columns, segments)
-    return [out.reshape(query.shape).to(query.dtype) for out, (query, *_) in zip(outs, steps)]
+        overlays.append(None if read.overlay_columns is None else
+                        (read.overlay_columns, _rows(read.overlay_keys), _rows(read.overlay_values)))
+    wanted = [bool(w) for w in probabilities] + [False] * (len(steps) - len(probabilities))
+    outs = kernels().decode_attend(qs, columns, segments, overlays, wanted)
+    probs = iter(outs[len(steps):])
+    return [(out.reshape(query.shape).to(query.dtype), next(probs) if want else None)
+            for out, (query, *_), want in zip(outs, steps, wanted)]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

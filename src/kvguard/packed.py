@@ -139,13 +139,17 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     out = torch.empty_like(query)
     window = getattr(module, "sliding_window", None)
     # Every sequence decoding one token in one kernel call: per sequence, the call and its threads' wake-up cost
-    # more than its products.
-    together = [s for s in read.slices if s.length == 1 and s.hook is None and s.read is not None and not window
-                and softcap is None and fused_attention.direct(s.read, query, key)]
+    # more than its products. A sequence whose loop watches this layer gets the probabilities too.
+    together = [s for s in read.slices if s.length == 1 and s.read is not None and not window and softcap is None
+                and (s.hook is None or hasattr(s.hook, "record")) and fused_attention.direct(s.read, query, key)]
     cols = [slice(s.start, s.start + 1) for s in together]
     steps = [(query[:, :, c], s.read, key[:, :, c], value[:, :, c]) for s, c in zip(together, cols)]
-    for c, o in zip(cols, fused_attention.attend_steps(steps, scaling=scaling) if steps else []):
+    watched = [s.hook is not None and s.hook.observes(module, 1) for s in together]
+    results = fused_attention.attend_steps(steps, scaling=scaling, probabilities=watched) if steps else []
+    for s, c, (o, probs) in zip(together, cols, results):
         out[:, :, c] = o
+        if probs is not None:
+            s.hook.record(module, probs)
     for s in read.slices:
         if any(s is t for t in together):
             continue

@@ -160,13 +160,29 @@ class _LiveHook:
     def __init__(self, monitor: TokenMonitor, cache) -> None:
         self.monitor, self.cache = monitor, cache
 
+    def observes(self, module, tokens: int) -> bool:
+        """Whether a step of ``tokens`` query tokens at ``module``'s layer is watched (one-token decode queries)."""
+        return tokens == 1 and bool(self.monitor.observed[module.layer_idx])
+
+    def record(self, module, probs: torch.Tensor) -> None:
+        """A watched step's ``[B, H_kv, rep, N]`` probabilities, attended elsewhere (a packed forward's one kernel
+        call for every sequence: :func:`kvguard.packed.attend`)."""
+        self._observe(module.layer_idx, probs)
+
     def __call__(self, module, query, key, value, attention_mask, *, scaling, softcap, read=None):
         b, hq, t, d = query.shape
         hkv = key.shape[1]
         rep = hq // hkv
         layer = module.layer_idx
-        observed = t == 1 and bool(self.monitor.observed[layer])
+        observed = self.observes(module, t)
         if read is not None:  # a deferred read of the stored past
+            if t == 1 and attention_mask is None and softcap is None and fused_attention.direct(read, query, key):
+                # The kernels' one pass, which gives the probabilities too (as a packed forward reads it).
+                (out, probs), = fused_attention.attend_steps([(query, read, key, value)], scaling=scaling,
+                                                             probabilities=[observed])
+                if observed:
+                    self._observe(layer, probs)
+                return out
             if t <= fused_attention.MAX_QUERY and fused_attention.available(query.device):
                 # The fused kernels attend, and give the probabilities too.
                 out, probs = fused_attention.attend_with_probs(query, read, key, value, attention_mask,
