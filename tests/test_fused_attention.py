@@ -324,6 +324,7 @@ def test_many_sequences_in_one_pass(dim):
              (("int4", "fp16", "int2"), CONFIG, 50), ("int8", f32, 45)]
     if dim % 8 == 0:
         cases += [("int3", CONFIG, 70)]
+    cases += [(("int4", "fp16", "int2"), CONFIG, 2300), ("fp16", CONFIG, 1100)]  # several column splits
     layers = []
     for i, (precision, cfg, tokens) in enumerate(cases):
         layer = KVGuardLayer(precision, cfg if dim % 8 == 0 else dataclasses.replace(cfg, group_size=6))
@@ -331,7 +332,7 @@ def test_many_sequences_in_one_pass(dim):
             layer.set_rotation(i % 2 == 1, i % 3 == 1)
         _fill_dim(layer, tokens, gen, dim)
         quantized = layer.quantized_positions()
-        if i % 2 == 0 and quantized.numel():  # positions the loop restored: the overlay wins over the codes
+        if (i % 2 == 0 or tokens > 1024) and quantized.numel():  # restored positions: the overlay wins
             at = quantized[torch.tensor([0, quantized.numel() // 2, quantized.numel() - 1])]
             layer.write_fp(at, torch.randn(B, H_KV, 3, dim, generator=gen), torch.randn(B, H_KV, 3, dim, generator=gen))
         layers.append(layer)

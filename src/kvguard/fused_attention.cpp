@@ -312,10 +312,11 @@ void check_dims(int64_t dim, int bits) {
 // value_accumulate's inner loop for values grouped per token (one scale per token and group of a multiple of
 // eight channels), with AVX2: for each block of four query rows and each eight channels, the four sums stay
 // in registers across the block's tokens and the token's scale is one broadcast, so nothing is expanded or
-// stored per token. out: [R, D], written (not added to). Returns false where it does not apply.
+// stored per token. out: [R, D], written (not added to). Token t0 + t weighs src.row(b, h)[r * sr + first + t].
+// Returns false where it does not apply.
 template <int BITS>
 bool values_per_token(const Codes& codes, const Scales& s, const Target& src, int64_t b, int64_t h, int64_t t0,
-                      int64_t t1, int64_t R, int64_t D, float* out) {
+                      int64_t t1, int64_t R, int64_t D, float* out, int64_t first) {
 #if defined(__AVX2__)
   if (D % 8 != 0 || s.sr == 0 || s.tokens_per_row != 1 || s.channels_per_entry % 8 != 0) return false;
   const int64_t n = t1 - t0, entries = s.entries;
@@ -331,7 +332,7 @@ bool values_per_token(const Codes& codes, const Scales& s, const Target& src, in
   const uint8_t* base = codes.data + b * codes.sb + h * codes.sh;
   for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
     for (int64_t j = 0; j < kRowBlock; ++j)  // the block's weights, zero for rows past R
-      for (int64_t t = 0; t < n; ++t) weight[j * n + t] = r0 + j < R ? ph[(r0 + j) * src.sr + t0 + t] : 0.0f;
+      for (int64_t t = 0; t < n; ++t) weight[j * n + t] = r0 + j < R ? ph[(r0 + j) * src.sr + first + t] : 0.0f;
     for (int64_t d = 0; d < D; d += 8) {
       const int64_t e = d / s.channels_per_entry;
       __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
@@ -355,12 +356,12 @@ bool values_per_token(const Codes& codes, const Scales& s, const Target& src, in
 }
 
 bool values_per_token(const Codes& codes, const Scales& s, const Target& src, int64_t b, int64_t h, int64_t t0,
-                      int64_t t1, int64_t R, int64_t D, float* out) {
+                      int64_t t1, int64_t R, int64_t D, float* out, int64_t first) {
   switch (codes.bits) {
-    case 8: return values_per_token<8>(codes, s, src, b, h, t0, t1, R, D, out);
-    case 4: return values_per_token<4>(codes, s, src, b, h, t0, t1, R, D, out);
-    case 3: return values_per_token<3>(codes, s, src, b, h, t0, t1, R, D, out);
-    default: return values_per_token<2>(codes, s, src, b, h, t0, t1, R, D, out);
+    case 8: return values_per_token<8>(codes, s, src, b, h, t0, t1, R, D, out, first);
+    case 4: return values_per_token<4>(codes, s, src, b, h, t0, t1, R, D, out, first);
+    case 3: return values_per_token<3>(codes, s, src, b, h, t0, t1, R, D, out, first);
+    default: return values_per_token<2>(codes, s, src, b, h, t0, t1, R, D, out, first);
   }
 }
 
@@ -671,7 +672,7 @@ torch::Tensor value_accumulate(const torch::Tensor& p, int64_t column, const tor
       const int64_t bh = task / blocks, b = bh / H, h = bh % H;
       const int64_t t0 = (task % blocks) * kTokenBlock, t1 = std::min(T, t0 + kTokenBlock);
       float* oh = acc + task * R * D;
-      if (values_per_token(codes, s, src, b, h, t0, t1, R, D, oh)) continue;
+      if (values_per_token(codes, s, src, b, h, t0, t1, R, D, oh, t0)) continue;
       const float* ph = src.row(b, h);
       int64_t loaded = -1;
       for (int64_t t = t0; t < t1; ++t) {
@@ -702,9 +703,9 @@ struct Side {
   int64_t sb = 0, sh = 0, st = 0;
   Codes codes{};
   Scales scales{};
-  PlainRows rows(int64_t b, int64_t h, int64_t T) const {
-    const char* base = static_cast<const char*>(data) + (b * sb + h * sh) * (half ? 2 : 4);
-    return {base, half, T, st};
+  PlainRows rows(int64_t b, int64_t h, int64_t t0, int64_t t1) const {  // rows t0 <= t < t1
+    const char* base = static_cast<const char*>(data) + (b * sb + h * sh + t0 * st) * (half ? 2 : 4);
+    return {base, half, t1 - t0, st};
   }
 };
 
@@ -788,54 +789,60 @@ void times(const float* x, const float* m, int64_t R, int64_t D, bool transpose,
   }
 }
 
-// p[r, start + t] = q[r] . key t of one head of a segment (q padded to a multiple of kRowBlock rows).
-void segment_scores(const Segment& seg, int64_t b, int64_t h, const float* q, int64_t R, int64_t D, float* p,
-                    int64_t N) {
+// p[r * W + t - t0] = q[r] . key t of one head of a segment, t0 <= t < t1 (q padded to a multiple of kRowBlock rows).
+void segment_scores(const Segment& seg, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* q, int64_t R,
+                    int64_t D, float* p, int64_t W) {
   float key[kMaxDim], sc[kMaxDim], zr[kMaxDim];
   if (!seg.k.quantized) {  // plain_scores prefetches the values' rows too, where they are plain
-    const std::vector<PlainRows> ks{seg.k.rows(b, h, seg.T)};
-    const std::vector<PlainRows> vs{seg.v.quantized ? ks[0] : seg.v.rows(b, h, seg.T)};
-    plain_scores(ks, vs, q, R, D, p + seg.start, N);
+    const std::vector<PlainRows> ks{seg.k.rows(b, h, t0, t1)};
+    const std::vector<PlainRows> vs{seg.v.quantized ? ks[0] : seg.v.rows(b, h, t0, t1)};
+    plain_scores(ks, vs, q, R, D, p, W);
     return;
   }
   const Codes& codes = seg.k.codes;
   const Scales& s = seg.k.scales;
   int64_t loaded = -1;
-  for (int64_t t = 0; t < seg.T; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t row = s.sr == 0 ? 0 : t / s.tokens_per_row;
     if (row != loaded) load_row(s, b, h, row, D, sc, zr), loaded = row;
-    key_dots(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, q, R,
-             p + seg.start + t, N, key);
+    key_dots(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, q, R, p + t - t0, W, key);
   }
 }
 
-// out[r] = sum_t p[r, start + t] value t, of one head of a segment (written, not added).
-void segment_values(const Segment& seg, int64_t b, int64_t h, const float* p, int64_t R, int64_t N, int64_t D,
-                    float* out) {
+// out[r] = sum_t p[r * W + t - t0] value t of one head of a segment, t0 <= t < t1 (written, not added).
+void segment_values(const Segment& seg, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* p, int64_t R,
+                    int64_t W, int64_t D, float* out) {
   if (!seg.v.quantized) {
-    const std::vector<PlainRows> vs{seg.v.rows(b, h, seg.T)};
-    for (int64_t d0 = 0; d0 < D; d0 += (D % 8 == 0 ? 8 : D)) plain_values(vs, p + seg.start, R, N, d0, D, out);
+    const std::vector<PlainRows> vs{seg.v.rows(b, h, t0, t1)};
+    for (int64_t d0 = 0; d0 < D; d0 += (D % 8 == 0 ? 8 : D)) plain_values(vs, p, R, W, d0, D, out);
     return;
   }
   const Codes& codes = seg.v.codes;
   const Scales& s = seg.v.scales;
-  const Target src{const_cast<float*>(p), 0, 0, N, nullptr, seg.start};
-  if (values_per_token(codes, s, src, b, h, 0, seg.T, R, D, out)) return;
+  const Target src{const_cast<float*>(p), 0, 0, W, nullptr, 0};
+  if (values_per_token(codes, s, src, b, h, t0, t1, R, D, out, 0)) return;
   std::fill(out, out + R * D, 0.0f);
   float sc[kMaxDim], zr[kMaxDim], value[kMaxDim];
   int64_t loaded = -1;
-  for (int64_t t = 0; t < seg.T; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t row = s.sr == 0 ? 0 : t / s.tokens_per_row;
     if (row != loaded) load_row(s, b, h, row, D, sc, zr), loaded = row;
     dequantize_codes(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, value);
     for (int64_t r = 0; r < R; ++r) {
-      const float w = p[r * N + seg.start + t];
+      const float w = p[r * W + t - t0];
       for (int64_t d = 0; d < D; ++d) out[r * D + d] += w * value[d];
     }
   }
 }
 
 }  // namespace
+
+// decode_attend splits a head's columns into stretches of this many, each its own task, combined after: a lone
+// sequence's long read (Gemma 3 has one KV head) then uses every thread. The split depends only on the read's
+// length, so a sequence's result is the same alone and in any batch.
+constexpr int64_t kSplitColumns = 1024;
+
+inline int64_t splits_of(int64_t columns) { return (columns + kSplitColumns - 1) / kSplitColumns; }
 
 // softmax(q . k) @ v of one new token for many sequences at once (a server's batch at one layer, or one sequence
 // decoding alone), reading every stored segment where it lies: plain float16 / float32 rows, or codes (dequantized
@@ -875,6 +882,7 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
     const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
     TORCH_CHECK(D <= kMaxDim, "head_dim ", D, " is over the kernels' bound ", kMaxDim);
     Item item{q.data_ptr<float>(), nullptr, nullptr, H, R, D, columns[i], {}, {}, {}, {}};
+    TORCH_CHECK(item.N > 0, "a read of no columns");
     for (const auto& obj : segments[i]) {
       item.segments.push_back(segment_of(obj, H, D, keep));
       const Segment& seg = item.segments.back();
@@ -899,71 +907,111 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
     }
     items.push_back(std::move(item));
     first.push_back(tasks);
-    tasks += B * H;
+    tasks += B * H * splits_of(items.back().N);
   }
+  // Each task's partial result: its rows' sums of exp(score - m) * value (R x D), then m and the sum of exp(score - m)
+  // (R each), at `task * stride`.
+  int64_t stride = 0;
+  for (const auto& it : items) stride = std::max(stride, it.R * (it.D + 2));
+  std::vector<float> partial(tasks * stride);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q, turned, p, part, back, weight;
     for (int64_t task = begin; task < end; ++task) {
       const size_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const Item& it = items[i];
-      const int64_t bh = task - first[i], b = bh / it.H, h = bh % it.H, D = it.D, N = it.N, R = it.R;
+      const int64_t S = splits_of(it.N), local = task - first[i], bh = local / S, split = local % S;
+      const int64_t b = bh / it.H, h = bh % it.H, D = it.D, R = it.R;
+      const int64_t c0 = split * kSplitColumns, c1 = std::min(it.N, c0 + kSplitColumns), W = c1 - c0;
       const int64_t rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;  // read four at a time; zero past R
       q.assign(rows * D, 0.0f);
       std::copy(it.q + bh * R * D, it.q + (bh + 1) * R * D, q.begin());
-      p.assign(rows * N, 0.0f);
+      p.assign(rows * W, 0.0f);  // scores, then exp(score - m), of columns c0 <= c < c1
       for (const auto& seg : it.segments) {
-        const int64_t sh = seg.head(h);
-        if (sh < 0) continue;
+        const int64_t sh = seg.head(h), t0 = std::max<int64_t>(0, c0 - seg.start), t1 = std::min(seg.T, c1 - seg.start);
+        if (sh < 0 || t0 >= t1) continue;
         const float* qs_ = q.data();
         if (seg.key_rotation) {  // (q R) . (k R) = q . k
           turned.assign(rows * D, 0.0f);
           times(q.data(), seg.key_rotation + sh * D * D, R, D, false, turned.data());
           qs_ = turned.data();
         }
-        segment_scores(seg, b, sh, qs_, R, D, p.data(), N);
+        segment_scores(seg, b, sh, t0, t1, qs_, R, D, p.data() + seg.start + t0 - c0, W);
       }
-      const int64_t P = it.overlay.size();
-      if (P) {  // the overlay's keys win over the codes at its columns
-        const PlainRows ok = it.ok.rows(b, h, P);
-        float key[kMaxDim];
-        for (int64_t j = 0; j < P; ++j) {
-          plain_row(ok, j, D, key);
-          row_dots(KeyInMemory{key}, D, q.data(), R, p.data() + it.overlay[j], N, key);
-        }
+      std::vector<int64_t> mine;  // this split's overlay entries: their keys win over the codes at their columns
+      for (size_t j = 0; j < it.overlay.size(); ++j)
+        if (it.overlay[j] >= c0 && it.overlay[j] < c1) mine.push_back(j);
+      float key[kMaxDim];
+      for (const int64_t j : mine) {
+        plain_row(it.ok.rows(b, h, j, j + 1), 0, D, key);
+        row_dots(KeyInMemory{key}, D, q.data(), R, p.data() + it.overlay[j] - c0, W, key);
       }
-      std::vector<float> inverse(R);
+      float* o = partial.data() + task * stride;
+      float *m = o + R * D, *l = m + R;
       for (int64_t r = 0; r < R; ++r) {
-        float* row = p.data() + r * N;
-        inverse[r] = 1.0f / exp_shifted(row, N, *std::max_element(row, row + N));
+        float* row = p.data() + r * W;
+        m[r] = *std::max_element(row, row + W);
+        l[r] = exp_shifted(row, W, m[r]);
+        if (it.probs) std::copy(row, row + W, it.probs + (bh * R + r) * it.N + c0);  // scaled in the combine
       }
-      float* out = it.out + bh * R * D;
-      std::fill(out, out + R * D, 0.0f);
+      std::fill(o, o + R * D, 0.0f);
       part.resize(R * D);
-      if (it.probs)
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t c = 0; c < N; ++c) it.probs[(bh * R + r) * N + c] = p[r * N + c] * inverse[r];
-      if (P) {  // the overlay's values at its columns, which the segments then read with weight zero
+      if (!mine.empty()) {  // the overlay's values at its columns, which the segments then read with weight zero
+        const int64_t P = mine.size();
         weight.assign(rows * P, 0.0f);
         for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = 0; j < P; ++j) std::swap(weight[r * P + j], p[r * N + it.overlay[j]]);
-        const std::vector<PlainRows> ovs{it.ov.rows(b, h, P)};
-        for (int64_t d0 = 0; d0 < D; d0 += (D % 8 == 0 ? 8 : D)) plain_values(ovs, weight.data(), R, P, d0, D, out);
+          for (int64_t j = 0; j < P; ++j) std::swap(weight[r * P + j], p[r * W + it.overlay[mine[j]] - c0]);
+        for (int64_t j = 0; j < P; ++j) {
+          const std::vector<PlainRows> ovs{it.ov.rows(b, h, mine[j], mine[j] + 1)};
+          for (int64_t r = 0; r < R; ++r) {
+            plain_row(ovs[0], 0, D, key);
+            for (int64_t d = 0; d < D; ++d) o[r * D + d] += weight[r * P + j] * key[d];
+          }
+        }
       }
       for (const auto& seg : it.segments) {
-        const int64_t sh = seg.head(h);
-        if (sh < 0) continue;
-        segment_values(seg, b, sh, p.data(), R, N, D, part.data());
+        const int64_t sh = seg.head(h), t0 = std::max<int64_t>(0, c0 - seg.start), t1 = std::min(seg.T, c1 - seg.start);
+        if (sh < 0 || t0 >= t1) continue;
+        segment_values(seg, b, sh, t0, t1, p.data() + seg.start + t0 - c0, R, W, D, part.data());
         if (seg.value_rotation) {  // (p @ v R) R^T = p @ v
           back.resize(R * D);
           times(part.data(), seg.value_rotation + sh * D * D, R, D, true, back.data());
           part.swap(back);
         }
-        for (int64_t j = 0; j < R * D; ++j) out[j] += part[j];
+        for (int64_t j = 0; j < R * D; ++j) o[j] += part[j];
       }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inverse[r];
     }
   });
+  // The splits of each head combined in order (flash-decoding): out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+  std::vector<float> factor;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    const int64_t S = splits_of(it.N), R = it.R, D = it.D;
+    for (int64_t bh = 0; bh * S < (i + 1 < items.size() ? first[i + 1] : tasks) - first[i]; ++bh) {
+      const float* base = partial.data() + (first[i] + bh * S) * stride;
+      for (int64_t r = 0; r < R; ++r) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t sp = 0; sp < S; ++sp) top = std::max(top, base[sp * stride + R * D + r]);
+        factor.assign(S, 0.0f);
+        for (int64_t sp = 0; sp < S; ++sp) {
+          factor[sp] = std::exp(base[sp * stride + R * D + r] - top);
+          total += base[sp * stride + R * D + R + r] * factor[sp];
+        }
+        const float inverse = 1.0f / total;
+        float* out = it.out + (bh * R + r) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          float acc = 0.0f;
+          for (int64_t sp = 0; sp < S; ++sp) acc += base[sp * stride + r * D + d] * factor[sp];
+          out[d] = acc * inverse;
+        }
+        if (it.probs)
+          for (int64_t sp = 0; sp < S; ++sp) {
+            const float scale = factor[sp] * inverse;
+            float* row = it.probs + (bh * R + r) * it.N;
+            for (int64_t c = sp * kSplitColumns; c < std::min(it.N, (sp + 1) * kSplitColumns); ++c) row[c] *= scale;
+          }
+      }
+    }
+  }
   outs.insert(outs.end(), probs.begin(), probs.end());
   return outs;
 }
