@@ -39,6 +39,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -67,13 +68,17 @@ def server(model: str, profile: str, *flags: str):
     port = _free_port()
     cmd = [sys.executable, "-m", "kvguard", "serve", "--model", model, "--profile", profile, "--port", str(port),
            "--max-prompt-tokens", "2048", "--max-new-tokens", "1024", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    # The server's log goes to a file: a pipe nobody reads while the load runs fills up (the loop logs every event),
+    # and the server then blocks on its next write.
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         deadline = time.time() + 600
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"kvguard serve {' '.join(flags)} exited: {proc.stderr.read().strip()[-2000:]}")
+                log.seek(0)
+                raise RuntimeError(f"kvguard serve {' '.join(flags)} exited: {log.read().strip()[-2000:]}")
             try:
                 if _get(port, "/healthz")["status"] == "ok":
                     break
@@ -88,6 +93,7 @@ def server(model: str, profile: str, *flags: str):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 def prompts(model: str, n: int, tokens: int) -> list[list[int]]:
