@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -61,14 +62,16 @@ class Server:
                *extra]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.log = open(os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.PIPE, text=True)
+        # Output to a file: a pipe nobody reads while the load runs fills up, and the server blocks on its next write.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.peak_rss = 0
         self._stop = threading.Event()
         deadline = time.time() + 300
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvguard serve exited with {self.proc.returncode}: {self.proc.stderr.read()}")
+                self.log.seek(0)
+                raise RuntimeError(f"kvguard serve exited with {self.proc.returncode}: {self.log.read()[-3000:]}")
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 conn.request("GET", "/healthz")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import subprocess
+import threading
+
 from kvguard.config import MonitorConfig, Objective
 from kvguard.plan import Plan
 from kvguard.profile import Candidate, DataManifest, DomainData, ModelInfo, PlanScore, ProfileMeta, Settings
@@ -148,3 +152,20 @@ def screenshot_dir(tmp_path):
     from pathlib import Path
 
     return Path(os.environ.get("KVGUARD_SCREENSHOTS") or tmp_path)
+
+
+class Drained:
+    """A child's piped output read on a thread as it comes, the last lines kept: a pipe nobody reads fills up and
+    the child blocks on its next write (a server logging every event of its loop stalled that way)."""
+
+    def __init__(self, proc: subprocess.Popen, keep: int = 400) -> None:
+        self.lines: collections.deque = collections.deque(maxlen=keep)
+        self.thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for line in iter(stream.readline, b""):
+            self.lines.append(line.decode(errors="replace"))
+
+    def tail(self) -> str:
+        return "".join(self.lines)[-3000:]

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import kvguard_env
+from tests.helpers import Drained, kvguard_env
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +50,12 @@ def _serving(profile_dir, log, *flags):
            "--api-key", KEY, "--log-file", str(log), *flags]
     # The server runs the kvguard this process imports (not whichever one the interpreter has installed).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=kvguard_env(HF_HUB_OFFLINE="1"))
+    output = Drained(proc)
     deadline = time.time() + 180
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"kvguard serve exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
+            output.thread.join(5)
+            pytest.fail(f"kvguard serve exited with {proc.returncode}:\n{output.tail()}")
         try:
             if _request(port, "GET", "/healthz")[0] == 200:
                 break

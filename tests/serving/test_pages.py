@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import kvguard_env, render_page, screenshot_dir
+from tests.helpers import Drained, kvguard_env, render_page, screenshot_dir
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +39,12 @@ def _get(url: str, key: str | None = None):
 
 
 def _wait(what: str, check, seconds: float, proc) -> None:
+    output = Drained(proc)
     deadline = time.time() + seconds
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"{what}: the process exited with {proc.returncode}:\n{proc.stdout.read().decode()[-3000:]}")
+            output.thread.join(5)
+            pytest.fail(f"{what}: the process exited with {proc.returncode}:\n{output.tail()}")
         try:
             if check():
                 return
