@@ -15,6 +15,9 @@ history are larger than the threshold; the quantized tiers' fused reads are not)
 :func:`settle` fixes both once per process (:func:`kvguard.models.load` calls it), unless the environment already
 sets them (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``), and does nothing where the C library is not
 glibc.
+
+:func:`release` hands the heap's free pages back to the kernel (``malloc_trim``): a server calls it when its batch
+empties, since blocks freed in the middle of an arena stay resident until then, whatever the trim threshold.
 """
 
 from __future__ import annotations
@@ -41,3 +44,15 @@ def settle() -> bool:
         return False  # not glibc: its allocator has its own rules
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release() -> bool:
+    """Return every free page of the C heap to the kernel (glibc's ``malloc_trim(0)``, all arenas); whether it
+    could (False where the C library is not glibc)."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    trim(0)
+    return True

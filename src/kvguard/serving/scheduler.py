@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from kvguard import packed
+from kvguard import heap, packed
 from kvguard.control.decoding import FinishReason
 from kvguard.serving.messages import Done, Failed, TextDelta
 from kvguard.serving.protocol import TextStream
@@ -158,7 +158,15 @@ class Scheduler:
         their own; with more OpenMP threads than cores, libgomp's threads sleep instead of spinning between ops,
         and a batched decode step, hundreds of small ops, ran at 0.4x its speed on 2 cores."""
         torch.set_num_threads(self.engine.torch_threads)
+        worked = False
         while True:
+            with self.cond:
+                emptied = worked and not self.waiting and not self.active
+            if emptied:
+                # What the batch's forwards freed in the middle of the heap goes back to the kernel: after a churn
+                # of 64 requests the server held 16.6 % more than before the load without this.
+                heap.release()
+                worked = False
             with self.cond:
                 while not self.stopped and not self.waiting and not self.active and keep_going():
                     self.cond.wait(0.5)
@@ -167,6 +175,7 @@ class Scheduler:
                 admitted = self._admit()
             for job, reserved in admitted:
                 self._start(job, reserved)
+            worked = True
             try:
                 self._step()
             except Exception as err:  # noqa: BLE001 - every request in the step is answered, the server goes on
