@@ -536,70 +536,61 @@ inline const char* row_address(const PlainRows& s, int64_t t) {
   return static_cast<const char*>(s.data) + t * s.stride * (s.half ? 2 : 4);
 }
 
-// scores[r, c] = q[r] . key c for every column c of one head (segments `ks`, in column order; q padded with zero
-// rows to a multiple of kRowBlock): each key is loaded (and converted) once for four query rows. It prefetches
-// the key eight rows ahead and the value row of the same column for plain_values: a server's batch reads tens of
+// scores[r, t] = q[r] . key t for every row t of `k` (q padded with zero rows to a multiple of kRowBlock): each key
+// is loaded (and converted) once for four query rows. It prefetches the key eight rows ahead and the row of `v` at
+// the same t (the values plain_values reads next; `k` itself where they are codes): a server's batch reads tens of
 // MiB of K/V a step, out of every cache, and without the prefetches a sequence's read took 1.5x as long.
-void plain_scores(const std::vector<PlainRows>& ks, const std::vector<PlainRows>& vs, const float* q, int64_t R,
-                  int64_t D, float* scores, int64_t N) {
+void plain_scores(const PlainRows& k, const PlainRows& v, const float* q, int64_t R, int64_t D, float* scores,
+                  int64_t N) {
   constexpr int64_t kLine = 64, kAhead = 8;
+  const int64_t bytes = D * (k.half ? 2 : 4);
   float key[kMaxDim];
-  int64_t c = 0;
-  for (size_t i = 0; i < ks.size(); ++i) {
-    const PlainRows& s = ks[i];
-    const int64_t bytes = D * (s.half ? 2 : 4);
-    for (int64_t t = 0; t < s.rows; ++t, ++c) {
-      for (int64_t o = 0; o < bytes; o += kLine) {
-        if (t + kAhead < s.rows) __builtin_prefetch(row_address(s, t + kAhead) + o, 0, 3);
-        __builtin_prefetch(row_address(vs[i], t) + o, 0, 2);
-      }
-#if defined(__AVX2__)
-      if (D % 8 == 0) {
-        row_dots([&](int64_t d) { return load8(s, t, d); }, D, q, R, scores + c, N, key);
-        continue;
-      }
-#endif
-      plain_row(s, t, D, key);
-      row_dots(KeyInMemory{key}, D, q, R, scores + c, N, key);
+  for (int64_t t = 0; t < k.rows; ++t) {
+    for (int64_t o = 0; o < bytes; o += kLine) {
+      if (t + kAhead < k.rows) __builtin_prefetch(row_address(k, t + kAhead) + o, 0, 3);
+      __builtin_prefetch(row_address(v, t) + o, 0, 2);
     }
+#if defined(__AVX2__)
+    if (D % 8 == 0) {
+      row_dots([&](int64_t d) { return load8(k, t, d); }, D, q, R, scores + t, N, key);
+      continue;
+    }
+#endif
+    plain_row(k, t, D, key);
+    row_dots(KeyInMemory{key}, D, q, R, scores + t, N, key);
   }
 }
 
-// out[r, d0 .. d0 + 7] = sum_c p[r, c] v[c, d0 ..] for every query row (p padded with zero rows to a multiple of
-// kRowBlock): each value chunk is loaded once for four rows, which sum in registers over every column in order.
-// (One pass over the rows with every output in L1 instead took 1.3x as long.)
-void plain_values(const std::vector<PlainRows>& vs, const float* p, int64_t R, int64_t N, int64_t d0, int64_t D,
-                  float* out) {
+// out[r] = sum_t p[r, t] v[t] for every query row (p padded with zero rows to a multiple of kRowBlock; written, not
+// added): eight channels at a time, each chunk loaded once for four rows, which sum in registers over every row of
+// `v` in order. (One pass over the rows with every output in L1 instead took 1.3x as long.)
+void plain_values(const PlainRows& v, const float* p, int64_t R, int64_t N, int64_t D, float* out) {
 #if defined(__AVX2__)
   if (D % 8 == 0) {
-    for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
-      const float* p0 = p + r0 * N;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      int64_t c = 0;
-      for (const auto& s : vs) {
-        for (int64_t t = 0; t < s.rows; ++t, ++c) {
-          const __m256 v = load8(s, t, d0);
-          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + c), v, a0);
-          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + N + c), v, a1);
-          a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + 2 * N + c), v, a2);
-          a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + 3 * N + c), v, a3);
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+        const float* p0 = p + r0 * N;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t t = 0; t < v.rows; ++t) {
+          const __m256 x = load8(v, t, d0);
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + t), x, a0);
+          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + N + t), x, a1);
+          a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + 2 * N + t), x, a2);
+          a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + 3 * N + t), x, a3);
         }
+        const __m256 acc[kRowBlock] = {a0, a1, a2, a3};
+        for (int64_t j = 0; j < kRowBlock && r0 + j < R; ++j) _mm256_storeu_ps(out + (r0 + j) * D + d0, acc[j]);
       }
-      const __m256 acc[kRowBlock] = {a0, a1, a2, a3};
-      for (int64_t j = 0; j < kRowBlock && r0 + j < R; ++j) _mm256_storeu_ps(out + (r0 + j) * D + d0, acc[j]);
     }
     return;
   }
 #endif
   float value[kMaxDim];
-  for (int64_t r = 0; r < R; ++r) std::fill(out + r * D, out + (r + 1) * D, 0.0f);
-  int64_t c = 0;
-  for (const auto& s : vs) {
-    for (int64_t t = 0; t < s.rows; ++t, ++c) {
-      plain_row(s, t, D, value);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t d = 0; d < D; ++d) out[r * D + d] += p[r * N + c] * value[d];
-    }
+  std::fill(out, out + R * D, 0.0f);
+  for (int64_t t = 0; t < v.rows; ++t) {
+    plain_row(v, t, D, value);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; ++d) out[r * D + d] += p[r * N + t] * value[d];
   }
 }
 
@@ -793,10 +784,9 @@ void times(const float* x, const float* m, int64_t R, int64_t D, bool transpose,
 void segment_scores(const Segment& seg, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* q, int64_t R,
                     int64_t D, float* p, int64_t W) {
   float key[kMaxDim], sc[kMaxDim], zr[kMaxDim];
-  if (!seg.k.quantized) {  // plain_scores prefetches the values' rows too, where they are plain
-    const std::vector<PlainRows> ks{seg.k.rows(b, h, t0, t1)};
-    const std::vector<PlainRows> vs{seg.v.quantized ? ks[0] : seg.v.rows(b, h, t0, t1)};
-    plain_scores(ks, vs, q, R, D, p, W);
+  if (!seg.k.quantized) {
+    const PlainRows k = seg.k.rows(b, h, t0, t1);
+    plain_scores(k, seg.v.quantized ? k : seg.v.rows(b, h, t0, t1), q, R, D, p, W);
     return;
   }
   const Codes& codes = seg.k.codes;
@@ -813,8 +803,7 @@ void segment_scores(const Segment& seg, int64_t b, int64_t h, int64_t t0, int64_
 void segment_values(const Segment& seg, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* p, int64_t R,
                     int64_t W, int64_t D, float* out) {
   if (!seg.v.quantized) {
-    const std::vector<PlainRows> vs{seg.v.rows(b, h, t0, t1)};
-    for (int64_t d0 = 0; d0 < D; d0 += (D % 8 == 0 ? 8 : D)) plain_values(vs, p, R, W, d0, D, out);
+    plain_values(seg.v.rows(b, h, t0, t1), p, R, W, D, out);
     return;
   }
   const Codes& codes = seg.v.codes;
@@ -867,7 +856,7 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
     const float* q;
     float* out;
     float* probs;  // nullptr: not asked for
-    int64_t H, R, D, N;
+    int64_t BH, H, R, D, N;  // BH: batch rows x heads
     std::vector<Segment> segments;
     std::vector<int64_t> overlay;  // columns served from the overlay's rows (ok, ov) instead of the segments
     Side ok, ov;
@@ -881,7 +870,7 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
     TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32 [B, H, R, D]");
     const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
     TORCH_CHECK(D <= kMaxDim, "head_dim ", D, " is over the kernels' bound ", kMaxDim);
-    Item item{q.data_ptr<float>(), nullptr, nullptr, H, R, D, columns[i], {}, {}, {}, {}};
+    Item item{q.data_ptr<float>(), nullptr, nullptr, B * H, H, R, D, columns[i], {}, {}, {}, {}};
     TORCH_CHECK(item.N > 0, "a read of no columns");
     for (const auto& obj : segments[i]) {
       item.segments.push_back(segment_of(obj, H, D, keep));
@@ -915,7 +904,7 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
   for (const auto& it : items) stride = std::max(stride, it.R * (it.D + 2));
   std::vector<float> partial(tasks * stride);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q, turned, p, part, back, weight;
+    std::vector<float> q, turned, p, part, back;
     for (int64_t task = begin; task < end; ++task) {
       const size_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const Item& it = items[i];
@@ -955,17 +944,12 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
       }
       std::fill(o, o + R * D, 0.0f);
       part.resize(R * D);
-      if (!mine.empty()) {  // the overlay's values at its columns, which the segments then read with weight zero
-        const int64_t P = mine.size();
-        weight.assign(rows * P, 0.0f);
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = 0; j < P; ++j) std::swap(weight[r * P + j], p[r * W + it.overlay[mine[j]] - c0]);
-        for (int64_t j = 0; j < P; ++j) {
-          const std::vector<PlainRows> ovs{it.ov.rows(b, h, mine[j], mine[j] + 1)};
-          for (int64_t r = 0; r < R; ++r) {
-            plain_row(ovs[0], 0, D, key);
-            for (int64_t d = 0; d < D; ++d) o[r * D + d] += weight[r * P + j] * key[d];
-          }
+      for (const int64_t j : mine) {  // the overlay's value at its column, which the segments then read with weight 0
+        plain_row(it.ov.rows(b, h, j, j + 1), 0, D, key);
+        for (int64_t r = 0; r < R; ++r) {
+          float& w = p[r * W + it.overlay[j] - c0];
+          for (int64_t d = 0; d < D; ++d) o[r * D + d] += w * key[d];
+          w = 0.0f;
         }
       }
       for (const auto& seg : it.segments) {
@@ -986,7 +970,7 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
     const int64_t S = splits_of(it.N), R = it.R, D = it.D;
-    for (int64_t bh = 0; bh * S < (i + 1 < items.size() ? first[i + 1] : tasks) - first[i]; ++bh) {
+    for (int64_t bh = 0; bh < it.BH; ++bh) {
       const float* base = partial.data() + (first[i] + bh * S) * stride;
       for (int64_t r = 0; r < R; ++r) {
         float top = -INFINITY, total = 0.0f;

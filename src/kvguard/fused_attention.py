@@ -208,7 +208,7 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
     new token without a mask, the common step, in one pass: :func:`attend_steps`); a longer chunk, or a step the
     kernels cannot take, reads the history a tile at a time (:mod:`kvguard.chunk_attention`), whose scores are
     not bias-corrected."""
-    if query.shape[2] == 1 and attention_mask is None and softcap is None and direct(read, query, key):
+    if direct(read, query, key, attention_mask, softcap):
         return _attend_direct(query, read, key, value, scaling)
     if query.shape[2] <= MAX_QUERY and available(query.device):
         return attend_with_probs(query, read, key, value, attention_mask, scaling=scaling, softcap=softcap)[0]
@@ -220,11 +220,14 @@ def attend(query: torch.Tensor, read: StoredRead, key: torch.Tensor, value: torc
 _PLAIN_DTYPES = (torch.float16, torch.float32)  # the plain rows decode_attend reads
 
 
-def direct(read: StoredRead, query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether the kernels' one-pass ``decode_attend`` can take a one-token step of ``query`` / ``key`` over
-    ``read``: kernels built, on the CPU, no keys stored before RoPE, no softmax-bias correction, plain
-    rows in float16 / float32 (any other step goes through :func:`attend_with_probs`)."""
-    if query.device.type != "cpu" or kernels() is None or read.score_correction:
+def direct(read: StoredRead, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None = None,
+           softcap: float | None = None) -> bool:
+    """Whether the kernels' one-pass ``decode_attend`` can take this step of ``query`` / ``key`` over ``read``: one
+    new token, no mask, no soft cap, kernels built, on the CPU, no keys stored before RoPE, no softmax-bias
+    correction, plain rows in float16 / float32 (any other step goes through :func:`attend_with_probs`)."""
+    if query.shape[2] != 1 or attention_mask is not None or softcap is not None or read.score_correction:
+        return False
+    if query.device.type != "cpu" or kernels() is None:
         return False
     overlay = read.overlay_keys is not None and read.overlay_keys.dtype not in _PLAIN_DTYPES
     if key.dtype not in _PLAIN_DTYPES or overlay:

@@ -33,26 +33,34 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (ma
 
 
 @functools.cache
+def _libc():
+    """glibc, or ``None`` where the C library is another (whose allocator has its own rules)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+@functools.cache
 def settle() -> bool:
     """Fix glibc's mmap and trim thresholds (see the module docstring); whether they were set here."""
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return False  # the user's settings stand
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False  # not glibc: its allocator has its own rules
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    libc = _libc()
+    if libc is None:
+        return False
+    mmap_set = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    return mmap_set and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def release() -> bool:
     """Return every free page of the C heap to the kernel (glibc's ``malloc_trim(0)``, all arenas); whether it
     could (False where the C library is not glibc)."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    libc = _libc()
+    if libc is None:
         return False
-    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    trim(0)
+    libc.malloc_trim(0)
     return True

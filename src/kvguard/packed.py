@@ -140,8 +140,9 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     window = getattr(module, "sliding_window", None)
     # Every sequence decoding one token in one kernel call: per sequence, the call and its threads' wake-up cost
     # more than its products. A sequence whose loop watches this layer gets the probabilities too.
-    together = [s for s in read.slices if s.length == 1 and s.read is not None and not window and softcap is None
-                and (s.hook is None or hasattr(s.hook, "record")) and fused_attention.direct(s.read, query, key)]
+    together = [s for s in read.slices
+                if s.read is not None and not window and (s.hook is None or hasattr(s.hook, "record"))
+                and fused_attention.direct(s.read, query[:, :, s.start:s.start + s.length], key, None, softcap)]
     cols = [slice(s.start, s.start + 1) for s in together]
     steps = [(query[:, :, c], s.read, key[:, :, c], value[:, :, c]) for s, c in zip(together, cols)]
     watched = [s.hook is not None and s.hook.observes(module, 1) for s in together]
@@ -150,8 +151,9 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         out[:, :, c] = o
         if probs is not None:
             s.hook.record(module, probs)
+    done = {id(s) for s in together}
     for s in read.slices:
-        if any(s is t for t in together):
+        if id(s) in done:
             continue
         cols = slice(s.start, s.start + s.length)
         q, k, v = query[:, :, cols], key[:, :, cols], value[:, :, cols]

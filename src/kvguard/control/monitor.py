@@ -176,7 +176,7 @@ class _LiveHook:
         layer = module.layer_idx
         observed = self.observes(module, t)
         if read is not None:  # a deferred read of the stored past
-            if t == 1 and attention_mask is None and softcap is None and fused_attention.direct(read, query, key):
+            if fused_attention.direct(read, query, key, attention_mask, softcap):
                 # The kernels' one pass, which gives the probabilities too (as a packed forward reads it).
                 (out, probs), = fused_attention.attend_steps([(query, read, key, value)], scaling=scaling,
                                                              probabilities=[observed])
