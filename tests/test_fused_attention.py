@@ -471,3 +471,32 @@ def test_smollm2_greedy_tokens_unchanged_with_keys_before_rope(smollm2, rotate):
               for cache, fused in zip(caches, (False, True))]
     assert caches[1].layers[0].holds_prerope_keys() and caches[1].layers[0].stored_read().segments[1].key_turn
     assert tokens[0] == tokens[1] and len(tokens[0]) == 24
+
+
+@pytest.mark.parametrize("rep", [3, 5])  # a block of three rows; a block of four and one of one
+@pytest.mark.parametrize("precision", ["int4", "int3", "int2", "int8", ("int4", "fp16", "int2")])
+def test_folded_reads_match_the_reference(precision, rep):
+    """Keys grouped over tokens and values grouped over sixteen channels or more take the folded reads (the scale
+    folded into the query, the zero point into a bias; INT4's nibbles unpacked in even / odd order): the one-pass
+    read still equals the materialized reference, for every width and for row counts that are not a multiple of
+    four, and a sequence reads the same alone as in a batch."""
+    gen = torch.Generator().manual_seed(11)
+    dim, cfg = 64, dataclasses.replace(CONFIG, group_size=32, residual=8)
+    layers = []
+    for tokens in (40, 1500):
+        layer = KVGuardLayer(precision, cfg)
+        _fill_dim(layer, tokens, gen, dim)
+        layers.append(layer)
+    steps = [(torch.randn(B, H_KV * rep, 1, dim, generator=gen), layer.stored_read(),
+              torch.randn(B, H_KV, 1, dim, generator=gen), torch.randn(B, H_KV, 1, dim, generator=gen))
+             for layer in layers]
+    assert all(fused_attention.direct(read, q, k) for q, read, k, _ in steps)
+    batch = fused_attention.attend_steps(steps, scaling=dim ** -0.5)
+    for (q, read, k, v), layer, (many, _) in zip(steps, layers, batch):
+        alone = fused_attention.attend(q, read, k, v, None, scaling=dim ** -0.5)
+        torch.testing.assert_close(many, alone, rtol=0, atol=0)
+        past_k, past_v = layer.materialize(torch.float32)
+        keys = attention.expand_kv(torch.cat([past_k, k], dim=-2), rep)
+        values = attention.expand_kv(torch.cat([past_v, v], dim=-2), rep)
+        expected = torch.softmax(q @ keys.transpose(-1, -2) * dim ** -0.5, dim=-1) @ values
+        torch.testing.assert_close(many, expected, rtol=1e-5, atol=1e-5)

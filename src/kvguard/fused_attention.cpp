@@ -34,8 +34,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -179,9 +181,61 @@ inline void dequantize_codes(const uint8_t* src, int64_t dim, const float* scale
   for (; d < dim; ++d) out[d] = static_cast<float>(code_at<BITS>(src, d)) * scale[d] + zero[d];
 }
 
-// Query rows per pass: q holds rows rounded up to a multiple of kRowBlock (zero rows past `rows`), so four dot
-// products share each chunk of eight key channels.
+// Query rows per pass: up to four dot products share each chunk of eight key channels. The passes take exactly
+// the rows asked for (a block of one to four, its count a template constant the compiler unrolls), so three
+// grouped-query rows cost three products, not four.
 constexpr int64_t kRowBlock = 4;
+
+#if defined(__AVX2__)
+// sums[j] = the sum of acc[j]'s eight lanes, j < NR: four rows' sums by three horizontal adds, where one row's
+// takes five operations of its own.
+template <int NR>
+inline void row_sums(const __m256* acc, float* sums) {
+  if constexpr (NR == 1) {
+    sums[0] = horizontal_sum(acc[0]);
+  } else {
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 a01 = _mm256_hadd_ps(acc[0], acc[1]);
+    __m256 a23 = zero;
+    if constexpr (NR == 3) a23 = _mm256_hadd_ps(acc[2], zero);
+    if constexpr (NR == 4) a23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 both = _mm256_hadd_ps(a01, a23);  // row j's two half sums in lanes j and 4 + j
+    float four[4];
+    _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1)));
+    for (int j = 0; j < NR; ++j) sums[j] = four[j];
+  }
+}
+
+// out[j * stride] = q[j] . key, j < NR, the key's channels d .. d + 7 from load8(d).
+template <int NR, typename Load8>
+inline void row_block_dots(Load8& load8, int64_t dim, const float* q, float* out, int64_t stride) {
+  __m256 acc[NR];
+  _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 8) {
+    const __m256 k = load8(d);
+    _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * dim + d), k, acc[j]);
+  }
+  float sums[NR];
+  row_sums<NR>(acc, sums);
+  _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) out[j * stride] = sums[j];
+}
+
+template <int N>
+using Rows = std::integral_constant<int, N>;
+
+// block(Rows<NR>{}, r0) for every block of at most four rows r0 .. r0 + NR - 1 of `rows`.
+template <typename Block>
+inline void row_blocks(int64_t rows, Block&& block) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    switch (std::min<int64_t>(kRowBlock, rows - r0)) {
+      case 4: block(Rows<4>{}, r0); break;
+      case 3: block(Rows<3>{}, r0); break;
+      case 2: block(Rows<2>{}, r0); break;
+      default: block(Rows<1>{}, r0); break;
+    }
+  }
+}
+#endif
 
 // out[r * stride] = q[r] . key, r < rows: the key's channels d .. d + 7 come from load8(d) (the vector path:
 // codes dequantized in registers, or a key in memory), or from `key` (the scalar path, for a dim that is not a
@@ -191,20 +245,9 @@ inline void row_dots(Load8 load8, int64_t dim, const float* q, int64_t rows, flo
                      const float* key) {
 #if defined(__AVX2__)
   if (dim % 8 == 0) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const float* q0 = q + r0 * dim;
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 k = load8(d);
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + dim + d), k, acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * dim + d), k, acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * dim + d), k, acc3);
-      }
-      const float sums[kRowBlock] = {horizontal_sum(acc0), horizontal_sum(acc1), horizontal_sum(acc2),
-                                     horizontal_sum(acc3)};
-      for (int64_t j = 0; j < kRowBlock && r0 + j < rows; ++j) out[(r0 + j) * stride] = sums[j];
-    }
+    row_blocks(rows, [&](auto nr, int64_t r0) {
+      row_block_dots<decltype(nr)::value>(load8, dim, q + r0 * dim, out + r0 * stride, stride);
+    });
     return;
   }
 #endif
@@ -263,6 +306,16 @@ inline void dequantize_codes(const uint8_t* src, int bits, int64_t dim, const fl
 // The scale and zero point of every channel for scale row `row`, expanded over channels_per_entry channels.
 inline void load_row(const Scales& s, int64_t b, int64_t h, int64_t row, int64_t dim, float* scale, float* zero) {
   const int64_t si = b * s.sb + h * s.sh + row * s.sr, zi = b * s.zb + h * s.zh + row * s.zr;
+#if defined(__AVX2__)
+  if (!s.table && s.channels_per_entry == 1 && s.entries >= dim && dim % 8 == 0) {  // float16 per channel
+    for (int64_t d = 0; d < dim; d += 8) {
+      _mm256_storeu_ps(scale + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.scale + si + d))));
+      _mm256_storeu_ps(zero + d, s.zero ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.zero + zi + d)))
+                                        : _mm256_setzero_ps());
+    }
+    return;
+  }
+#endif
   for (int64_t e = 0; e < s.entries; ++e) {
     const float sv = scale_value(s, si + e);
     const float zv = zero_value(s, zi + e, sv);
@@ -532,6 +585,24 @@ inline float exp_shifted(float* p, int64_t n, float top) {
   return total;
 }
 
+// The largest of p[0 .. n): eight lanes at a time (std::max_element's scalar compare chain cost a tenth of an
+// INT4 read).
+inline float row_max(const float* p, int64_t n) {
+  float top = -INFINITY;
+  int64_t j = 0;
+#if defined(__AVX2__)
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(p);
+    for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(p + j));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (const float x : lanes) top = std::max(top, x);
+  }
+#endif
+  for (; j < n; ++j) top = std::max(top, p[j]);
+  return top;
+}
+
 inline const char* row_address(const PlainRows& s, int64_t t) {
   return static_cast<const char*>(s.data) + t * s.stride * (s.half ? 2 : 4);
 }
@@ -561,26 +632,39 @@ void plain_scores(const PlainRows& k, const PlainRows& v, const float* q, int64_
   }
 }
 
-// out[r] = sum_t p[r, t] v[t] for every query row (p padded with zero rows to a multiple of kRowBlock; written, not
-// added): eight channels at a time, each chunk loaded once for four rows, which sum in registers over every row of
-// `v` in order. (One pass over the rows with every output in L1 instead took 1.3x as long.)
+// out[r] = sum_t p[r, t] v[t] for every query row (written, not added): sixteen channels at a time (eight where D
+// is not a multiple of sixteen), each chunk loaded once for a block of up to four rows, which sum in registers
+// over every row of `v` in order. (One pass over the rows with every output in L1 instead took 1.3x as long.)
 void plain_values(const PlainRows& v, const float* p, int64_t R, int64_t N, int64_t D, float* out) {
 #if defined(__AVX2__)
   if (D % 8 == 0) {
-    for (int64_t d0 = 0; d0 < D; d0 += 8) {
-      for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+    const int64_t step = D % 16 == 0 ? 16 : 8;
+    for (int64_t d0 = 0; d0 < D; d0 += step) {
+      row_blocks(R, [&](auto nr, int64_t r0) {
+        constexpr int NR = decltype(nr)::value;
         const float* p0 = p + r0 * N;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t t = 0; t < v.rows; ++t) {
-          const __m256 x = load8(v, t, d0);
-          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + t), x, a0);
-          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + N + t), x, a1);
-          a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + 2 * N + t), x, a2);
-          a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + 3 * N + t), x, a3);
+        __m256 a[NR], c[NR];
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) a[j] = c[j] = _mm256_setzero_ps();
+        if (step == 16) {
+          for (int64_t t = 0; t < v.rows; ++t) {
+            const __m256 x = load8(v, t, d0), y = load8(v, t, d0 + 8);
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) {
+              const __m256 w = _mm256_broadcast_ss(p0 + j * N + t);
+              a[j] = _mm256_fmadd_ps(w, x, a[j]);
+              c[j] = _mm256_fmadd_ps(w, y, c[j]);
+            }
+          }
+        } else {
+          for (int64_t t = 0; t < v.rows; ++t) {
+            const __m256 x = load8(v, t, d0);
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + j * N + t), x, a[j]);
+          }
         }
-        const __m256 acc[kRowBlock] = {a0, a1, a2, a3};
-        for (int64_t j = 0; j < kRowBlock && r0 + j < R; ++j) _mm256_storeu_ps(out + (r0 + j) * D + d0, acc[j]);
-      }
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) {
+          _mm256_storeu_ps(out + (r0 + j) * D + d0, a[j]);
+          if (step == 16) _mm256_storeu_ps(out + (r0 + j) * D + d0 + 8, c[j]);
+        }
+      });
     }
     return;
   }
@@ -593,6 +677,151 @@ void plain_values(const PlainRows& v, const float* p, int64_t R, int64_t N, int6
       for (int64_t d = 0; d < D; ++d) out[r * D + d] += p[r * N + t] * value[d];
   }
 }
+
+#if defined(__AVX2__)
+// Channels d .. d + 15 of one token's codes as two registers of floats, the i-th float being channel
+// d + channel16<BITS>(i): INT4 takes eight bytes whose low nibbles are the even channels and high nibbles the odd
+// ones (a mask and a shift for sixteen codes, where codes8's broadcast and per-lane shift cost more); other widths
+// are codes8 twice, in order. The folded reads below put their query (or their sums) in the same order.
+template <int BITS>
+inline void codes16(const uint8_t* src, int64_t d, __m256& lo, __m256& hi) {
+  if (BITS == 4) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d / 2)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  } else {
+    lo = codes8<BITS>(src, d);
+    hi = codes8<BITS>(src, d + 8);
+  }
+}
+
+template <int BITS>
+constexpr int64_t channel16(int64_t i) { return BITS == 4 ? (i < 8 ? 2 * i : 2 * (i - 8) + 1) : i; }
+
+// Whether a read of head_dim D takes the folded reads: sixteen channels at a time, with AVX2. (Sixteen-lane
+// AVX-512 registers for INT4 were tried: no faster on this machine's decode, see benchmarks/DECISIONS.md.)
+inline bool folds(int64_t D) { return D % 16 == 0; }
+
+// Keys quantized per channel share one scale row across tokens_per_row tokens, so a score
+//   q . (c * s + z) = (q * s) . c + q . z
+// folds the scale into the query and the zero point into one bias per row, once per scale row: each code then
+// costs an unpack and one product per query row instead of a dequantization first. folded_query writes q * s in
+// codes16's channel order and the biases; folded_dots scores one token.
+template <int BITS>
+void folded_query(const float* q, const float* scale, const float* zero, int64_t R, int64_t D, float* qs,
+                  float* bias) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qr = q + r * D;
+    float* out = qs + r * D;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256 q0 = _mm256_loadu_ps(qr + d), q1 = _mm256_loadu_ps(qr + d + 8);
+      acc = _mm256_fmadd_ps(q0, _mm256_loadu_ps(zero + d), acc);
+      acc = _mm256_fmadd_ps(q1, _mm256_loadu_ps(zero + d + 8), acc);
+      const __m256 p0 = _mm256_mul_ps(q0, _mm256_loadu_ps(scale + d));
+      const __m256 p1 = _mm256_mul_ps(q1, _mm256_loadu_ps(scale + d + 8));
+      if (BITS == 4) {  // even channels, then odd ones (channel16<4>): within each half, then across the halves
+        const __m256d even = _mm256_castps_pd(_mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(2, 0, 2, 0)));
+        const __m256d odd = _mm256_castps_pd(_mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm256_storeu_ps(out + d, _mm256_castpd_ps(_mm256_permute4x64_pd(even, _MM_SHUFFLE(3, 1, 2, 0))));
+        _mm256_storeu_ps(out + d + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(odd, _MM_SHUFFLE(3, 1, 2, 0))));
+      } else {
+        _mm256_storeu_ps(out + d, p0);
+        _mm256_storeu_ps(out + d + 8, p1);
+      }
+    }
+    bias[r] = horizontal_sum(acc);
+  }
+}
+
+template <int BITS>
+void folded_dots(const uint8_t* src, int64_t D, const float* qs, const float* bias, int64_t R, float* out,
+                 int64_t stride) {
+  row_blocks(R, [&](auto nr, int64_t r0) {
+    constexpr int NR = decltype(nr)::value;
+    const float* q0 = qs + r0 * D;
+    __m256 acc[NR];
+    _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m256 lo, hi;
+      codes16<BITS>(src, d, lo, hi);
+      _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) {
+        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j * D + d), lo, acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j * D + d + 8), hi, acc[j]);
+      }
+    }
+    float sums[NR];
+    row_sums<NR>(acc, sums);
+    _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) out[(r0 + j) * stride] = sums[j] + bias[r0 + j];
+  });
+}
+
+// Values quantized per token (a scale and zero point per token and group of channels_per_entry channels) fold the
+// other way: sum_t p[t] (c_t * s_t + z_t) = sum_t (p[t] * s_t) c_t + sum_t p[t] z_t, the weights p * s and the
+// zero sums taken once per token and group, so each code costs an unpack and one product per query row.
+// out[r] = sum_t p[r * W + t - t0] value t, t0 <= t < t1 (written, not added).
+template <int BITS>
+void folded_values(const Codes& codes, const Scales& s, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* p,
+                   int64_t R, int64_t W, int64_t D, float* out) {
+  const int64_t n = t1 - t0, E = s.entries, group = s.channels_per_entry;
+  std::vector<float> scale(E * n), zero(E * n, 0.0f);  // [e * n + t]
+  const int64_t si = b * s.sb + h * s.sh + t0 * s.sr, zi = b * s.zb + h * s.zh + t0 * s.zr;
+  if (!s.table) {  // float16 scales (and zero points): converted in a loop without the one-byte case's branches
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t t = 0; t < n; ++t) {
+        scale[e * n + t] = _cvtsh_ss(s.scale[si + t * s.sr + e].x);
+        if (s.zero) zero[e * n + t] = _cvtsh_ss(s.zero[zi + t * s.zr + e].x);
+      }
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t e = 0; e < E; ++e) {
+        scale[e * n + t] = scale_value(s, si + t * s.sr + e);
+        zero[e * n + t] = zero_value(s, zi + t * s.zr + e, scale[e * n + t]);
+      }
+  }
+  std::vector<float> weight(E * R * n), zeros(R * E);  // weight[(e * R + r) * n + t], zeros[r * E + e]
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < R; ++r) {
+      const float *pr = p + r * W, *se = scale.data() + e * n, *ze = zero.data() + e * n;
+      float* w = weight.data() + (e * R + r) * n;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t t = 0; t < n; ++t) {
+        w[t] = pr[t] * se[t];
+        acc += pr[t] * ze[t];
+      }
+      zeros[r * E + e] = acc;
+    }
+  const uint8_t* base = codes.data + b * codes.sb + h * codes.sh + t0 * codes.st;
+  for (int64_t d = 0; d < D; d += 16) {
+    const int64_t e = d / group;  // a block of sixteen lies in one group (segment_values: group % 16 == 0)
+    row_blocks(R, [&](auto nr, int64_t r0) {
+      constexpr int NR = decltype(nr)::value;
+      const float* w0 = weight.data() + (e * R + r0) * n;
+      __m256 lo_acc[NR], hi_acc[NR];
+      _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) lo_acc[j] = hi_acc[j] = _mm256_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        // The first pass brings the block's codes in (eight tokens ahead); the later ones find them in L1.
+        if (d == 0 && r0 == 0) __builtin_prefetch(base + (t + 8) * codes.st, 0, 3);
+        __m256 lo, hi;
+        codes16<BITS>(base + t * codes.st, d, lo, hi);
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) {
+          const __m256 w = _mm256_broadcast_ss(w0 + j * n + t);
+          lo_acc[j] = _mm256_fmadd_ps(w, lo, lo_acc[j]);
+          hi_acc[j] = _mm256_fmadd_ps(w, hi, hi_acc[j]);
+        }
+      }
+      float sums[16];
+      _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) {
+        _mm256_storeu_ps(sums, lo_acc[j]);
+        _mm256_storeu_ps(sums + 8, hi_acc[j]);
+        float* row = out + (r0 + j) * D + d;
+        for (int64_t i = 0; i < 16; ++i) row[channel16<BITS>(i)] = sums[i] + zeros[(r0 + j) * E + e];
+      }
+    });
+  }
+}
+#endif
 
 }  // namespace
 
@@ -780,7 +1009,19 @@ void times(const float* x, const float* m, int64_t R, int64_t D, bool transpose,
   }
 }
 
-// p[r * W + t - t0] = q[r] . key t of one head of a segment, t0 <= t < t1 (q padded to a multiple of kRowBlock rows).
+// The folded reads of a side's codes (folded_dots / folded_values) for its width: what `call` is given is a
+// generic lambda taking the width as std::integral_constant.
+template <typename Call>
+inline void by_width(int bits, Call&& call) {
+  switch (bits) {
+    case 8: return call(std::integral_constant<int, 8>{});
+    case 4: return call(std::integral_constant<int, 4>{});
+    case 3: return call(std::integral_constant<int, 3>{});
+    default: return call(std::integral_constant<int, 2>{});
+  }
+}
+
+// p[r * W + t - t0] = q[r] . key t of one head of a segment, t0 <= t < t1.
 void segment_scores(const Segment& seg, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* q, int64_t R,
                     int64_t D, float* p, int64_t W) {
   float key[kMaxDim], sc[kMaxDim], zr[kMaxDim];
@@ -791,11 +1032,30 @@ void segment_scores(const Segment& seg, int64_t b, int64_t h, int64_t t0, int64_
   }
   const Codes& codes = seg.k.codes;
   const Scales& s = seg.k.scales;
+  const uint8_t* base = codes.data + b * codes.sb + h * codes.sh;
   int64_t loaded = -1;
+#if defined(__AVX2__)
+  if (folds(D) && (s.sr == 0 || s.tokens_per_row >= 4)) {  // one scale row over several tokens: fold it
+    std::vector<float> qs(R * D), bias(R);
+    by_width(codes.bits, [&](auto width) {
+      constexpr int BITS = decltype(width)::value;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t row = s.sr == 0 ? 0 : t / s.tokens_per_row;
+        if (row != loaded) {
+          load_row(s, b, h, row, D, sc, zr);
+          folded_query<BITS>(q, sc, zr, R, D, qs.data(), bias.data());
+          loaded = row;
+        }
+        folded_dots<BITS>(base + t * codes.st, D, qs.data(), bias.data(), R, p + t - t0, W);
+      }
+    });
+    return;
+  }
+#endif
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t row = s.sr == 0 ? 0 : t / s.tokens_per_row;
     if (row != loaded) load_row(s, b, h, row, D, sc, zr), loaded = row;
-    key_dots(codes.data + b * codes.sb + h * codes.sh + t * codes.st, codes.bits, D, sc, zr, q, R, p + t - t0, W, key);
+    key_dots(base + t * codes.st, codes.bits, D, sc, zr, q, R, p + t - t0, W, key);
   }
 }
 
@@ -808,6 +1068,14 @@ void segment_values(const Segment& seg, int64_t b, int64_t h, int64_t t0, int64_
   }
   const Codes& codes = seg.v.codes;
   const Scales& s = seg.v.scales;
+#if defined(__AVX2__)
+  if (folds(D) && s.sr != 0 && s.tokens_per_row == 1 && s.channels_per_entry % 16 == 0) {
+    by_width(codes.bits, [&](auto width) {
+      folded_values<decltype(width)::value>(codes, s, b, h, t0, t1, p, R, W, D, out);
+    });
+    return;
+  }
+#endif
   const Target src{const_cast<float*>(p), 0, 0, W, nullptr, 0};
   if (values_per_token(codes, s, src, b, h, t0, t1, R, D, out, 0)) return;
   std::fill(out, out + R * D, 0.0f);
@@ -826,12 +1094,19 @@ void segment_values(const Segment& seg, int64_t b, int64_t h, int64_t t0, int64_
 
 }  // namespace
 
-// decode_attend splits a head's columns into stretches of this many, each its own task, combined after: a lone
-// sequence's long read (Gemma 3 has one KV head) then uses every thread. The split depends only on the read's
-// length, so a sequence's result is the same alone and in any batch.
+// decode_attend splits a head's columns into stretches of at most this many, each its own task, combined after: a
+// lone sequence's long read (Gemma 3 has one KV head) then uses every thread. The stretches of a read are of equal
+// width (4,097 columns are five of 820, not four of 1,024 and one of 1), so that no thread waits on a long task
+// while the other ran short ones; the split depends only on the read's length, so a sequence's result is the same
+// alone and in any batch.
 constexpr int64_t kSplitColumns = 1024;
 
 inline int64_t splits_of(int64_t columns) { return (columns + kSplitColumns - 1) / kSplitColumns; }
+
+inline int64_t split_width(int64_t columns) {
+  const int64_t S = splits_of(columns);
+  return (columns + S - 1) / S;
+}
 
 // softmax(q . k) @ v of one new token for many sequences at once (a server's batch at one layer, or one sequence
 // decoding alone), reading every stored segment where it lies: plain float16 / float32 rows, or codes (dequantized
@@ -903,14 +1178,18 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
   int64_t stride = 0;
   for (const auto& it : items) stride = std::max(stride, it.R * (it.D + 2));
   std::vector<float> partial(tasks * stride);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  // The threads take tasks one at a time from a shared counter (a static share of equal counts left one thread
+  // idle a sixth of a SmolLM2 step: three heads of five stretches do not divide by two). Which thread ran a task
+  // does not change its result, which has its own slot.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<float> q, turned, p, part, back;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = next++; task < tasks; task = next++) {
       const size_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const Item& it = items[i];
       const int64_t S = splits_of(it.N), local = task - first[i], bh = local / S, split = local % S;
       const int64_t b = bh / it.H, h = bh % it.H, D = it.D, R = it.R;
-      const int64_t c0 = split * kSplitColumns, c1 = std::min(it.N, c0 + kSplitColumns), W = c1 - c0;
+      const int64_t width = split_width(it.N), c0 = split * width, c1 = std::min(it.N, c0 + width), W = c1 - c0;
       const int64_t rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;  // read four at a time; zero past R
       q.assign(rows * D, 0.0f);
       std::copy(it.q + bh * R * D, it.q + (bh + 1) * R * D, q.begin());
@@ -938,7 +1217,7 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
       float *m = o + R * D, *l = m + R;
       for (int64_t r = 0; r < R; ++r) {
         float* row = p.data() + r * W;
-        m[r] = *std::max_element(row, row + W);
+        m[r] = row_max(row, W);
         l[r] = exp_shifted(row, W, m[r]);
         if (it.probs) std::copy(row, row + W, it.probs + (bh * R + r) * it.N + c0);  // scaled in the combine
       }
@@ -991,7 +1270,8 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
           for (int64_t sp = 0; sp < S; ++sp) {
             const float scale = factor[sp] * inverse;
             float* row = it.probs + (bh * R + r) * it.N;
-            for (int64_t c = sp * kSplitColumns; c < std::min(it.N, (sp + 1) * kSplitColumns); ++c) row[c] *= scale;
+            const int64_t width = split_width(it.N);
+            for (int64_t c = sp * width; c < std::min(it.N, (sp + 1) * width); ++c) row[c] *= scale;
           }
       }
     }

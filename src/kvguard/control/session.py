@@ -124,10 +124,12 @@ class LiveSession:
         return self.state.level
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The last position's logits ``[1, 1, vocab]`` (logits_to_keep=1: a 4,096-token prompt's ``[T, vocab]``
+        logits would be 800 MB of float32 on SmolLM2, more than its FP16 cache)."""
         if not self.enabled:
-            return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
         with live_attention(self.model, self.monitor, self.cache):
-            return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
 
     # ---------------------------------------------------------------- decoding
     @torch.no_grad()
