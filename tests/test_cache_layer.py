@@ -322,3 +322,19 @@ def test_groups_are_written_into_preallocated_room_and_earlier_reads_stay():
     assert int4.keys.qdata.data_ptr() != codes and layer.stored_tokens == 84
     end = ref.window_start()  # tokens stored the same way in both: the later group changed the rest
     assert torch.equal(layer.materialize()[0][0, :, :end], ref.materialize()[0][1, :, :end])
+
+
+def test_what_is_held_beyond_the_stored_rows_is_bounded():
+    """The process holds what the store counts: the window keeps no storage of the rows that left it (a view would
+    keep a prefill chunk's worth per layer), and a key scale buffer (a row per group of tokens) has room for about
+    as many tokens as its codes, not group_size times more."""
+    layer = KVGuardLayer("int4", CFG)
+    keys, values = kv(300, 23)
+    layer.update(keys[..., :256, :], values[..., :256, :])  # one prefill chunk: most of it leaves the window
+    layer.update(keys[..., 256:, :], values[..., 256:, :])
+    for side in (layer.store.win_k, layer.store.win_v):
+        assert side.untyped_storage().nbytes() == side.numel() * side.element_size() <= CFG.residual * 2 * B * H * D * 4
+    part = layer.store.runs[0].parts[0]
+    codes_room, scale_room = part.room["keys.codes"].shape[-2], part.room["keys.scale"].shape[-2]
+    assert part.keys.scale.shape[-2] == part.keys.num_tokens // CFG.group_size
+    assert scale_room * CFG.group_size <= codes_room + CFG.group_size

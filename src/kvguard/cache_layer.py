@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvguard import attention, fused_attention
+from kvguard import attention, fused_attention, heap
 from kvguard.backing import BackingStore
 from kvguard.config import CacheConfig
 from kvguard.overlay import Overlay
@@ -290,6 +290,11 @@ class KVGuardLayer(CacheLayerMixin):
         return self.stored_read().materialize(dtype or self.fp_dtype, self.device)
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.layer_idx == 0 and keys.shape[-2] > 1 and keys.device.type == "cpu":
+            # A prefill chunk's activations are freed below the buffers the last chunk stored, so the C heap keeps
+            # their pages: hand them back before the next chunk (2 x 4,096 INT4 tokens on SmolLM2: the process's
+            # anonymous memory ended 32 MiB over the 59 MiB stored, 38 without; a trim costs about 3 ms a chunk).
+            heap.release()
         left = self.store.append(keys, values, self._observer())
         self.stored_last_update = left is not None
         if left is not None and left.quantized and self.backing is not None:

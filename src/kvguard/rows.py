@@ -43,17 +43,20 @@ def empty_rows(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=like.dtype).view(shape)
 
 
-def extend_rows(room: dict, key: str, stored: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+def extend_rows(room: dict, key: str, stored: torch.Tensor | None, new: torch.Tensor,
+                min_room: int = MIN_ROOM) -> torch.Tensor:
     """``stored`` followed by ``new`` along axis -2, written into ``room[key]`` when ``stored`` is the view of
     its first rows that the last call returned (anything else, such as a batch reorder or a dropped front, gave
-    new tensors) and it has the free rows; otherwise into a new buffer with room for a few percent more rows."""
+    new tensors) and it has the free rows; otherwise into a new buffer with room for a few percent more rows, and
+    at least ``min_room`` (fewer where a row stands for several tokens: a key scale row per group of 32 tokens
+    with 256 rows of room would be room for 8,192 tokens)."""
     n, m = (0 if stored is None else stored.shape[-2]), new.shape[-2]
     buffer = room.get(key)
     reusable = (buffer is not None and stored is not None and stored.data_ptr() == buffer.data_ptr()
                 and stored.stride() == buffer.stride() and stored.shape[:-2] == buffer.shape[:-2]
                 and n + m <= buffer.shape[-2])
     if not reusable:
-        rows = n + m + max(MIN_ROOM, (n + m) // ROOM_DIVISOR)
+        rows = n + m + max(min_room, (n + m) // ROOM_DIVISOR)
         buffer = empty_rows(new, (*new.shape[:-2], rows, new.shape[-1]))
         if n:
             buffer[..., :n, :].copy_(stored)

@@ -40,7 +40,7 @@ from kvguard.config import CacheConfig, window_scale
 from kvguard.precision import Precision, value_tiers
 from kvguard.quantizer import Axis, QuantizedTensor, QuantSpec, quantize, static_int8_codes
 from kvguard.rope import Rope, rerope, unrope
-from kvguard.rows import extend_rows
+from kvguard.rows import MIN_ROOM, extend_rows
 from kvguard.stored_read import StoredRead, StoredSegment
 
 
@@ -215,7 +215,9 @@ class Store:
             return None
         first = self.window_start()
         k, v = self.window_tensors(end=leaving)
-        self.win_k, self.win_v = self.win_k[..., leaving:, :], self.win_v[..., leaving:, :]
+        # A copy of the rows that stay: a view would keep the leaving rows' storage (a prefill chunk's 256 of them
+        # per layer) alive beside the codes they became.
+        self.win_k, self.win_v = self.win_k[..., leaving:, :].clone(), self.win_v[..., leaving:, :].clone()
         layout = self.layout()
         if not self.runs or self.runs[-1].layout != layout:
             self.runs.append(self.new_run(layout))
@@ -460,9 +462,12 @@ def _extend(room: dict, side: str, stored, new):
     qdata = extend_rows(room, side + ".codes", None if stored is None else stored.qdata, new.qdata)
     scale, zero = new.scale, new.zero_point
     if not new.spec.static:  # a calibrated scale is shared by every token: one copy
-        scale = extend_rows(room, side + ".scale", None if stored is None else stored.scale, new.scale)
+        # Keys have a scale row per group of tokens: room for as many tokens as the codes have, not 32x more.
+        per_row = new.spec.group_size if new.spec.axis is Axis.CHANNEL else 1
+        min_room = max(1, MIN_ROOM // per_row)
+        scale = extend_rows(room, side + ".scale", None if stored is None else stored.scale, new.scale, min_room)
         if zero is not None:
-            zero = extend_rows(room, side + ".zero", None if stored is None else stored.zero_point, zero)
+            zero = extend_rows(room, side + ".zero", None if stored is None else stored.zero_point, zero, min_room)
     tokens = new.shape[-2] + (0 if stored is None else stored.shape[-2])
     return QuantizedTensor(qdata, scale, zero, new.spec, (*new.shape[:-2], tokens, new.shape[-1]))
 
