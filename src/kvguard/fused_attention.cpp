@@ -283,24 +283,25 @@ inline void key_dots(const uint8_t* src, int64_t dim, const float* scale, const 
   row_dots(KeyInMemory{key}, dim, q, rows, out, stride, key);
 }
 
+// call(std::integral_constant<int, BITS>{}) for the code width `bits`: how every read picks its template.
+template <typename Call>
+inline auto by_width(int bits, Call&& call) {
+  switch (bits) {
+    case 8: return call(std::integral_constant<int, 8>{});
+    case 4: return call(std::integral_constant<int, 4>{});
+    case 3: return call(std::integral_constant<int, 3>{});
+    default: return call(std::integral_constant<int, 2>{});
+  }
+}
+
 inline void key_dots(const uint8_t* src, int bits, int64_t dim, const float* scale, const float* zero, const float* q,
                      int64_t rows, float* out, int64_t stride, float* key) {
-  switch (bits) {
-    case 8: return key_dots<8>(src, dim, scale, zero, q, rows, out, stride, key);
-    case 4: return key_dots<4>(src, dim, scale, zero, q, rows, out, stride, key);
-    case 3: return key_dots<3>(src, dim, scale, zero, q, rows, out, stride, key);
-    default: return key_dots<2>(src, dim, scale, zero, q, rows, out, stride, key);
-  }
+  by_width(bits, [&](auto w) { key_dots<decltype(w)::value>(src, dim, scale, zero, q, rows, out, stride, key); });
 }
 
 inline void dequantize_codes(const uint8_t* src, int bits, int64_t dim, const float* scale, const float* zero,
                              float* out) {
-  switch (bits) {
-    case 8: return dequantize_codes<8>(src, dim, scale, zero, out);
-    case 4: return dequantize_codes<4>(src, dim, scale, zero, out);
-    case 3: return dequantize_codes<3>(src, dim, scale, zero, out);
-    default: return dequantize_codes<2>(src, dim, scale, zero, out);
-  }
+  by_width(bits, [&](auto w) { dequantize_codes<decltype(w)::value>(src, dim, scale, zero, out); });
 }
 
 // The scale and zero point of every channel for scale row `row`, expanded over channels_per_entry channels.
@@ -410,12 +411,9 @@ bool values_per_token(const Codes& codes, const Scales& s, const Target& src, in
 
 bool values_per_token(const Codes& codes, const Scales& s, const Target& src, int64_t b, int64_t h, int64_t t0,
                       int64_t t1, int64_t R, int64_t D, float* out, int64_t first) {
-  switch (codes.bits) {
-    case 8: return values_per_token<8>(codes, s, src, b, h, t0, t1, R, D, out, first);
-    case 4: return values_per_token<4>(codes, s, src, b, h, t0, t1, R, D, out, first);
-    case 3: return values_per_token<3>(codes, s, src, b, h, t0, t1, R, D, out, first);
-    default: return values_per_token<2>(codes, s, src, b, h, t0, t1, R, D, out, first);
-  }
+  return by_width(codes.bits, [&](auto w) {
+    return values_per_token<decltype(w)::value>(codes, s, src, b, h, t0, t1, R, D, out, first);
+  });
 }
 
 // The softmax-bias correction of one scale row (kvguard/score_bias.py), per query row r < R:
@@ -607,8 +605,8 @@ inline const char* row_address(const PlainRows& s, int64_t t) {
   return static_cast<const char*>(s.data) + t * s.stride * (s.half ? 2 : 4);
 }
 
-// scores[r, t] = q[r] . key t for every row t of `k` (q padded with zero rows to a multiple of kRowBlock): each key
-// is loaded (and converted) once for four query rows. It prefetches the key eight rows ahead and the row of `v` at
+// scores[r, t] = q[r] . key t for every row t of `k`: each key is loaded (and converted) once for a block of up to
+// four query rows. It prefetches the key eight rows ahead and the row of `v` at
 // the same t (the values plain_values reads next; `k` itself where they are codes): a server's batch reads tens of
 // MiB of K/V a step, out of every cache, and without the prefetches a sequence's read took 1.5x as long.
 void plain_scores(const PlainRows& k, const PlainRows& v, const float* q, int64_t R, int64_t D, float* scores,
@@ -839,32 +837,30 @@ void key_scores(torch::Tensor& scores, int64_t column, const torch::Tensor& head
   TORCH_CHECK(!(turn.cos && correct), "the softmax-bias correction does not apply to keys stored before RoPE");
   const float* qp = q.data_ptr<float>();
   const int64_t blocks = (T + kTokenBlock - 1) / kTokenBlock;
-  const int64_t padded_rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
     float sc[kMaxDim], zr[kMaxDim], key[kMaxDim], turned[kMaxDim];
-    std::vector<float> qpad(padded_rows * D, 0.0f);  // the head's query rows, zero rows up to padded_rows
-    std::vector<float> bias(R, 0.0f);                 // per query row: the correction of the loaded scale row
+    std::vector<float> bias(R, 0.0f);  // per query row: the correction of the loaded scale row
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, b = bh / H, h = bh % H;
       const int64_t t0 = (task % blocks) * kTokenBlock, t1 = std::min(T, t0 + kTokenBlock);
-      std::copy(qp + bh * R * D, qp + (bh + 1) * R * D, qpad.begin());
+      const float* qh = qp + bh * R * D;  // the head's query rows
       float* oh = dst.row(b, h);
       int64_t loaded = -1;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t row = s.sr == 0 ? 0 : t / s.tokens_per_row;
         if (row != loaded) {
           load_row(s, b, h, row, D, sc, zr);
-          if (correct) row_bias(qpad.data(), sc, R, D, bias.data());
+          if (correct) row_bias(qh, sc, R, D, bias.data());
           loaded = row;
         }
         const uint8_t* src = codes.data + b * codes.sb + h * codes.sh + t * codes.st;
         if (turn.cos) {
           dequantize_codes(src, codes.bits, D, sc, zr, key);
           turned_key(key, D, turn, h, t, turned);
-          row_dots(KeyInMemory{turned}, D, qpad.data(), R, oh + t, dst.sr, turned);
+          row_dots(KeyInMemory{turned}, D, qh, R, oh + t, dst.sr, turned);
           continue;
         }
-        key_dots(src, codes.bits, D, sc, zr, qpad.data(), R, oh + t, dst.sr, key);
+        key_dots(src, codes.bits, D, sc, zr, qh, R, oh + t, dst.sr, key);
         if (correct)
           for (int64_t r = 0; r < R; ++r) oh[r * dst.sr + t] += bias[r];
       }
@@ -1006,18 +1002,6 @@ void times(const float* x, const float* m, int64_t R, int64_t D, bool transpose,
       for (int64_t d = 0; d < D; ++d) acc += x[r * D + d] * (transpose ? m[e * D + d] : m[d * D + e]);
       out[r * D + e] = acc;
     }
-  }
-}
-
-// The folded reads of a side's codes (folded_dots / folded_values) for its width: what `call` is given is a
-// generic lambda taking the width as std::integral_constant.
-template <typename Call>
-inline void by_width(int bits, Call&& call) {
-  switch (bits) {
-    case 8: return call(std::integral_constant<int, 8>{});
-    case 4: return call(std::integral_constant<int, 4>{});
-    case 3: return call(std::integral_constant<int, 3>{});
-    default: return call(std::integral_constant<int, 2>{});
   }
 }
 
@@ -1190,16 +1174,14 @@ std::vector<torch::Tensor> decode_attend(const std::vector<torch::Tensor>& qs, c
       const int64_t S = splits_of(it.N), local = task - first[i], bh = local / S, split = local % S;
       const int64_t b = bh / it.H, h = bh % it.H, D = it.D, R = it.R;
       const int64_t width = split_width(it.N), c0 = split * width, c1 = std::min(it.N, c0 + width), W = c1 - c0;
-      const int64_t rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;  // read four at a time; zero past R
-      q.assign(rows * D, 0.0f);
-      std::copy(it.q + bh * R * D, it.q + (bh + 1) * R * D, q.begin());
-      p.assign(rows * W, 0.0f);  // scores, then exp(score - m), of columns c0 <= c < c1
+      q.assign(it.q + bh * R * D, it.q + (bh + 1) * R * D);
+      p.assign(R * W, 0.0f);  // scores, then exp(score - m), of columns c0 <= c < c1
       for (const auto& seg : it.segments) {
         const int64_t sh = seg.head(h), t0 = std::max<int64_t>(0, c0 - seg.start), t1 = std::min(seg.T, c1 - seg.start);
         if (sh < 0 || t0 >= t1) continue;
         const float* qs_ = q.data();
         if (seg.key_rotation) {  // (q R) . (k R) = q . k
-          turned.assign(rows * D, 0.0f);
+          turned.resize(R * D);
           times(q.data(), seg.key_rotation + sh * D * D, R, D, false, turned.data());
           qs_ = turned.data();
         }
