@@ -58,13 +58,14 @@ def test_the_verdict_says_whether_the_plan_beats_int4_on_both_and_why_not():
                     ram_bytes_ratio=0.337)
     lines = verdict(RunConfig("m"), profile, good, int4, [int4, good], {})
     assert lines == ["the chosen plan beats int4 on both bytes and KL: 0.337 of FP16's bytes against int4's 0.344 "
-                     "(+2.0 % fewer), mean KL 0.00079 against 0.00091 (+13.2 % lower), p99.9 0.1000 against 0.2000."]
+                     "(2.0 % fewer), mean KL 0.00079 against 0.00091 (13.2 % lower), p99.9 0.1000 against 0.2000."]
     worse = eval_row("kvguard", "prose", "simulated", 3, 0.337, 12.6, 0.1, 0.00120, 0.98, 100.0, kl_p999=0.3,
                      ram_bytes_ratio=0.337)
     frontier = eval_row("kvguard@0.29", "prose", "simulated", 3, 0.290, 12.6, 0.1, 0.00080, 0.98, 100.0,
                         kl_p999=0.1, ram_bytes_ratio=0.290)
     lines = verdict(RunConfig("m"), profile, worse, int4, [int4, worse, frontier], {"kvguard@0.29": "kvguard@0.290"})
-    assert lines[0].startswith("the chosen plan does NOT beat int4 on both bytes and KL here")
+    assert lines[0].startswith("the chosen plan does NOT beat int4 on both bytes and KL here: 0.337 of FP16's bytes "
+                               "against int4's 0.344 (2.0 % fewer), mean KL 0.00120 against 0.00091 (31.9 % higher)")
     assert any("why: the quick calibration ranked its candidates on 512 held-out tokens" in line for line in lines)
     assert lines[-1] == "  on the frontier, kvguard@0.290 does: 0.290 of FP16's bytes, mean KL 0.00080."
 
