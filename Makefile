@@ -1,33 +1,41 @@
 # Two commands do all set-up: `make run` and `make test`. Both create .venv if missing and install
 # everything from this repo's files (idempotent: a stamp file records what was installed). `make run` installs what
-# the main job needs; `make test` also installs the llama.cpp peer (`make peers`), built once per machine.
+# the main job needs; `make test` also installs Ray for the distributed-calibration tests (`make ray`) and the llama.cpp
+# peer (`make peers`), built once per machine.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvguard-installed
 PEERS_STAMP := $(VENV)/.kvguard-peers-installed
+RAY_STAMP := $(VENV)/.kvguard-ray-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install peers tools engines clean
+.PHONY: run test install ray peers tools engines clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvguard run
 
-test: $(STAMP) $(PEERS_STAMP) tools
+test: $(STAMP) $(RAY_STAMP) $(PEERS_STAMP) tools
 	$(PY) -m pytest -q
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-ray.txt src/kvguard/assets.py pyproject.toml src/kvguard/fused_attention.cpp
+$(STAMP): requirements.txt src/kvguard/assets.py pyproject.toml src/kvguard/fused_attention.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q -r requirements-ray.txt
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m kvguard.fused_attention --build || echo "make: the fused decode attention could not be built (it needs g++ and ninja): decoding will dequantize the cache at every step"
 	$(PY) -m kvguard install-assets -- -q
 	touch $(STAMP)
+
+# Ray (requirements-ray.txt): only `kvguard calibrate --ray` and its tests use it, so `make run` does not install it.
+ray: $(RAY_STAMP)
+
+$(RAY_STAMP): $(STAMP) requirements-ray.txt
+	$(PY) -m pip install -q -r requirements-ray.txt
+	touch $(RAY_STAMP)
 
 # The llama.cpp peer (requirements-peers.txt; only the llamacpp-* methods of `kvguard eval` use it). llama-cpp-python
 # compiles llama.cpp from source (~10-14 minutes on 2 cores), so it is built once per machine into a local wheelhouse

@@ -22,7 +22,7 @@ from kvguard.profile import Profile
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvguard[ray]')")
+    ray = pytest.importorskip("ray", reason="Ray is not installed (make ray, or pip install 'kvguard[ray]')")
     # Workers import the kvguard under test, wherever it lives, not another installed copy.
     package_root = str(Path(kvguard.__file__).resolve().parents[1])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,

@@ -32,7 +32,7 @@ from kvguard.profile import PlanScore
 from kvguard.plan import Plan, StaticScales
 from kvguard.calibration.kv_statistics import BatchStatistics, collect_batch
 
-RAY_INSTALL_HINT = "pip install 'kvguard[ray]'  (or: pip install ray==2.60.0)"
+RAY_INSTALL_HINT = "pip install 'kvguard[ray]'  (or: pip install ray==2.60.0; in a checkout of kvguard: make ray)"
 
 
 class RayUnavailableError(ImportError):
