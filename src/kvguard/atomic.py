@@ -20,7 +20,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 _RENAME_EXCHANGE = 2
 
@@ -126,20 +126,28 @@ def _swap_in(tmp: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary sibling renamed into place."""
+@contextlib.contextmanager
+def file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file opened for writing that appears at ``path`` whole when the block ends, and not at all when
+    it raises."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(path, "tmp")
     try:
         with open(tmp, "xb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary sibling renamed into place."""
+    with file(path) as f:
+        f.write(data)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

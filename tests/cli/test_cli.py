@@ -29,8 +29,9 @@ def test_unknown_model_is_a_clear_error(capsys):
 
 
 @pytest.mark.slow
-def test_models_lists_both_embedded_models(capsys):
+def test_models_lists_the_embedded_models(capsys):
     assert cli.main(["models"]) == 0
     out = capsys.readouterr().out
     assert "| smollm2-135m | llama" in out and "9 / 3" in out and "30x full_attention" in out
     assert "| gemma3-270m" in out and "4 / 1" in out and "15x sliding_attention, 3x full_attention (window 512)" in out
+    assert "| qwen2.5-coder-0.5b | qwen2" in out and "14 / 2" in out and "24x full_attention" in out
