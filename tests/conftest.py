@@ -32,6 +32,15 @@ def gemma3():
 
 
 @pytest.fixture(scope="session")
+def qwen25():
+    """The real Qwen2.5-Coder-0.5B-Instruct, (model, tokenizer), float32 on CPU: the model whose key outliers
+    break KV quantization."""
+    from kvguard import models
+
+    return models.load("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
 def small_profile_dir(tmp_path_factory, smollm2):
     """The directory of a small calibrated SmolLM2 profile (shared, read-only)."""
     from kvguard.calibration.pipeline import calibrate

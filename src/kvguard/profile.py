@@ -78,11 +78,14 @@ class PlanScore:
         kl: token-weighted mean next-token ``KL(fp16 || plan)`` over all streams.
         ppl_increase_pct: per domain, perplexity increase over the FP16 cache in percent.
         top1_agree: token-weighted arg-max agreement with the FP16 cache.
+        kl_p99: the 99th percentile of the per-token KL over all streams (the tail a mean hides); ``None`` in
+            profiles calibrated before it was recorded.
     """
 
     kl: float
     ppl_increase_pct: dict[str, float]
     top1_agree: float
+    kl_p99: float | None = None
 
     @property
     def worst_ppl_increase_pct(self) -> float:
@@ -90,11 +93,14 @@ class PlanScore:
         return max(self.ppl_increase_pct.values())
 
     def to_dict(self) -> dict:
-        return {"kl": self.kl, "ppl_increase_pct": dict(self.ppl_increase_pct), "top1_agree": self.top1_agree}
+        out = {"kl": self.kl, "ppl_increase_pct": dict(self.ppl_increase_pct), "top1_agree": self.top1_agree}
+        return out if self.kl_p99 is None else {**out, "kl_p99": self.kl_p99}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PlanScore":
-        return cls(float(d["kl"]), {k: float(v) for k, v in d["ppl_increase_pct"].items()}, float(d["top1_agree"]))
+        p99 = d.get("kl_p99")
+        return cls(float(d["kl"]), {k: float(v) for k, v in d["ppl_increase_pct"].items()}, float(d["top1_agree"]),
+                   None if p99 is None else float(p99))
 
 
 @dataclass(frozen=True)
@@ -251,11 +257,15 @@ class ProfileMeta:
         """The budgets whose closest candidates were scored again on the ranking streams (none before that stage)."""
         return [RankedBudget.from_dict(b) for b in self.record.get("ranking", {}).get("budgets", [])]
 
-    def frontier_pick(self, memory: float) -> Candidate | None:
+    def frontier_pick(self, memory: float, tail: bool = False) -> Candidate | None:
         """The plan ``kvguard@<memory>`` runs: the frontier candidate with the lowest held-out KL at or below
         ``memory``; where that one was ranked, the one with the lowest ranking KL among those ranked with it that
         fit, where that is lower by more than :data:`RANKING_MARGIN` (the longer text's word over the held-out
-        slice's); ``None`` where nothing fits."""
+        slice's); ``None`` where nothing fits. ``tail`` (``kvguard@<memory>/p99``): the candidate of the whole
+        search log with the lowest held-out p99 per-token KL at or below ``memory`` instead (the frontier is the
+        mean's; the ranking streams score means only)."""
+        if tail:
+            return self._tail_pick(memory)
         points = [c for c in self.frontier() if c.memory <= memory]
         if not points:
             return None
@@ -266,6 +276,13 @@ class ProfileMeta:
                 fits = [name for name in budget.kl if log[name].memory <= memory]
                 return log[budget.choose(point.name, fits)]
         return point
+
+    def _tail_pick(self, memory: float) -> Candidate | None:
+        if any(c.quality.kl_p99 is None for c in self.search_log):
+            raise ValueError("this profile records no tail KL for its candidates (calibrated before kvguard "
+                             "recorded p99 KL): run kvguard calibrate again to rank by the tail")
+        points = [c for c in self.search_log if c.memory <= memory]
+        return min(points, key=lambda c: (c.quality.kl_p99, c.quality.kl), default=None)
 
     def plan_summary(self) -> str:
         return self.plan.summary()

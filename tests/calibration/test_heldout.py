@@ -31,6 +31,8 @@ def test_skipping_the_exact_prefix_changes_nothing(smollm2):
         assert math.isclose(fast.kl, full.kl, rel_tol=1e-4)
         assert math.isclose(fast.top1_agree, full.top1_agree, rel_tol=1e-6)
         assert math.isclose(fast.ppl_increase_pct["code"], 100 * (math.exp(full.nll - fp_nll) - 1), abs_tol=1e-4)
+        # The tail over every prediction, the skipped ones (KL 0) included, as the full pass measures it.
+        assert math.isclose(fast.kl_p99, full.kl_p99, rel_tol=1e-3) and fast.kl_p99 > fast.kl
     assert heldout.score(Plan.uniform(arch, "fp16")).kl == 0.0
 
 

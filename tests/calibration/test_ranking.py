@@ -128,3 +128,20 @@ def test_a_ranking_block_naming_unknown_candidates_is_refused():
         ProfileMeta.from_json(bad)
     with pytest.raises(ProfileError, match="'ranking'"):
         ProfileMeta.from_json(dict(good, ranking={"budgets": [{"share": 0.75}]}))
+
+
+def test_kvguard_at_bytes_p99_takes_the_lowest_tail_of_the_whole_log():
+    from kvguard.profile import PlanScore
+
+    log = _candidates([("a", 0.300, 0.010), ("b", 0.290, 0.008), ("c", 0.280, 0.009), ("d", 0.200, 0.030)])
+    tails = {"a": 0.05, "b": 0.09, "c": 0.04, "d": 0.50}  # "c" is off the mean's frontier but has the lowest tail
+    log = [replace(c, quality=replace(c.quality, kl_p99=tails[c.name])) for c in log]
+    meta = profile_meta(log[0].plan, search_log=tuple(log), pareto_front=("d", "b"))
+    assert meta.frontier_pick(0.30).name == "b" and meta.frontier_pick(0.30, tail=True).name == "c"
+    assert meta.frontier_pick(0.285, tail=True).name == "c" and meta.frontier_pick(0.25, tail=True).name == "d"
+    assert meta.frontier_pick(0.1, tail=True) is None
+    assert PlanScore.from_dict(log[2].quality.to_dict()) == log[2].quality  # the tail is saved with the score
+    old = replace(meta, search_log=tuple(replace(c, quality=replace(c.quality, kl_p99=None)) for c in log))
+    assert "kl_p99" not in old.search_log[0].quality.to_dict()
+    with pytest.raises(ValueError, match="records no tail KL .* run kvguard calibrate again"):
+        old.frontier_pick(0.3, tail=True)

@@ -69,6 +69,30 @@ def test_write_plots_and_page(tmp_path, limits):
         assert c.name.replace("<", "&lt;") in text
 
 
+def test_the_search_table_shows_the_tail_kl_where_the_profile_has_it(tmp_path):
+    profile = _profile()
+    log = tuple(replace(c, quality=replace(c.quality, kl_p99=0.0421 if c.level == 3 else None))
+                for c in profile.meta.search_log)
+    text = report.write(replace(profile, meta=replace(profile.meta, search_log=log)), tmp_path / "t").read_text(
+        encoding="utf-8")
+    assert "<th>KL p99</th>" in text
+    assert '<td class="num">0.00055</td><td class="num">0.0421</td>' in text  # KL, then its p99
+
+
+def test_the_page_shows_the_outlier_channels_and_what_the_plan_does(tmp_path):
+    profile = _profile()
+    assert "Outlier channels" not in report.write(profile, tmp_path / "none").read_text(encoding="utf-8")
+    absmax, mean = torch.ones(4, 2, 4), torch.zeros(4, 2, 4)
+    absmax[2, 1, 0], mean[2, 1, 0] = 50.0, 45.0  # layer 2: one offset key channel, 50x
+    stats = {"stats.key.absmax": absmax, "stats.key.mean": mean, "stats.value.absmax": torch.ones(4, 2, 4),
+             "stats.value.mean": torch.zeros(4, 2, 4)}
+    text = report.write(replace(profile, tensors={**profile.tensors, **stats}), tmp_path / "hit").read_text(
+        encoding="utf-8")
+    row = text.split("<h2>Outlier channels</h2>", 1)[1].split('<td class="num">2</td>', 1)[1].split("</tr>", 1)[0]
+    assert "<td>1 (1 offsets), 50x, absmax 50</td><td>-</td><td>int4/int2</td><td>no</td><td>1</td><td>no</td>" in row
+    assert text.count('<td class="num">', text.index("<h2>Outlier channels</h2>"), text.index("<h2>Search</h2>")) == 1
+
+
 def test_the_search_table_shows_the_ranking_kls(tmp_path):
     profile = _profile()
     assert "ranking streams" not in report.write(profile, tmp_path / "plain").read_text(encoding="utf-8")
@@ -76,7 +100,7 @@ def test_the_search_table_shows_the_ranking_kls(tmp_path):
     record = {**profile.meta.record, "ranking": {"tokens_per_domain": 1024, "budgets": [budget]}}
     text = report.write(replace(profile, meta=replace(profile.meta, record=record)), tmp_path / "ranked").read_text(
         encoding="utf-8")
-    assert "<th>KL, ranking streams</th>" in text
+    assert "<th>KL, ranking streams</th>" in text and "KL p99" not in text  # no candidate has a tail score
     row = text.split("<td>L1 all-int4</td>", 1)[1].split("</tr>", 1)[0]
     assert '<td class="num">0.0123</td>' in row
 

@@ -12,6 +12,7 @@ def test_names_parse_into_their_spec():
     assert parse("int4+rot+v1") == MethodSpec("int4+rot+v1", "int4", modifiers=(Modifier.ROT, Modifier.V1))
     assert parse("kvguard") == MethodSpec("kvguard", KVGUARD)
     assert parse("kvguard@.25+nosb") == MethodSpec("kvguard@.25+nosb", KVGUARD, 0.25, (Modifier.NOSB,))
+    assert parse("kvguard@0.28/p99+rot") == MethodSpec("kvguard@0.28/p99+rot", KVGUARD, 0.28, (Modifier.ROT,), tail=True)
     assert parse("fp8:head") == MethodSpec("fp8:head", "fp8:head")  # the registry says what it is
     assert parse(LIVE) == MethodSpec(LIVE, LIVE, live=True, over=MethodSpec(KVGUARD, KVGUARD))
     live = parse("kvguard-live:kvguard@0.3+rot")
@@ -25,8 +26,12 @@ def test_grammar_errors_name_the_valid_values():
     with pytest.raises(ValueError, match=r"'int4\+v3': unknown modifier 'v3'; valid modifiers are \[rot, rotk"):
         parse("int4+v3+rot")
     assert MODIFIERS == tuple(m.value for m in Modifier) and "prerope" in MODIFIERS
-    with pytest.raises(ValueError, match=r"'kvguard@abc': expected kvguard@<bytes ratio>, e.g. kvguard@0.25"):
+    with pytest.raises(ValueError, match=r"'kvguard@abc': expected kvguard@<bytes ratio>\[/p99\], e.g. kvguard@0.25"):
         parse("kvguard@abc+rot")
+    with pytest.raises(ValueError, match=r"'kvguard@0.2/p90': expected kvguard@<bytes ratio>\[/p99\]"):
+        parse("kvguard@0.2/p90")
+    with pytest.raises(ValueError, match=r"only kvguard@<bytes> ranks by the tail"):
+        MethodSpec("kvguard/p99", KVGUARD, tail=True)
     with pytest.raises(ValueError, match="not over another live one"):
         parse("kvguard-live:kvguard-live")
     with pytest.raises(ValueError, match="only kvguard@<bytes> takes a budget"):

@@ -17,7 +17,7 @@ import torch
 from kvguard.architecture import Architecture
 from kvguard.calibration import prefix
 from kvguard.calibration.logit_buffer import LogitBuffer
-from kvguard.metrics import TokenMetrics
+from kvguard.metrics import TokenMetrics, quantile
 from kvguard.plan import Plan, StaticScales
 from kvguard.profile import PlanScore
 from kvguard.scoring import score_simulated
@@ -25,6 +25,7 @@ from kvguard.simulate import first_quantized_query, simulate_logits
 
 
 _SLICE = 256  # positions turned into metrics at a time (bounds memory for 262k-token vocabularies)
+TAIL = 0.99  # the quantile of the per-token KL a score records next to the mean (PlanScore.kl_p99)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class HeldOut:
         (:mod:`kvguard.calibration.prefix`): the same numbers, for less work."""
         kl = agree = weight = 0.0
         increase = {}
+        token_kl = []  # per stream: [n] KL of every prediction, 0 before the first quantized key is visible
         layer, recorded = self._resume_point(plan, scales, anchors)
         # The head writes every pass's logits into one kept buffer: each pass's become metrics before the next.
         with self._logits.installed(self.model):
@@ -128,8 +130,9 @@ class HeldOut:
                                 ref[i:i + _SLICE], ref_top1[i:i + _SLICE])
                 tail = n - start
                 kl += metrics.kl * tail  # the first `start` predictions contribute KL 0 and agree
+                token_kl += [torch.zeros(start), metrics.token_kl]
                 agree += metrics.top1_agree * tail + start
                 weight += n
                 nll = (float(self.reference_token_nll[domain][:start].sum()) + metrics.nll * tail) / n
                 increase[domain] = 100.0 * (math.exp(nll - self.reference_nll[domain]) - 1.0)
-        return PlanScore(kl / weight, increase, agree / weight)
+        return PlanScore(kl / weight, increase, agree / weight, quantile(torch.cat(token_kl), TAIL))

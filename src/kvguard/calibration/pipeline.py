@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvguard import __version__
+from kvguard.calibration import outliers
 from kvguard.calibration.checkpoints import Checkpoints
 from kvguard.calibration.distributed import RayConfig, open_executor, require_ray
 from kvguard.calibration.heldout import HeldOut
@@ -234,6 +235,8 @@ def _calibrate(cfg: CalibrationConfig, resume: bool, progress: bool, ray: RayCon
     executor = open_executor(cfg.model, run.model, ray, log=log)
     try:
         stats_tensors = run.statistics(executor)
+        for kind in ("key", "value"):
+            log(outliers.summary(outliers.find(stats_tensors, kind)))
         agg = KVStatistics.aggregate_from(stats_tensors)
         latency = run.latency()
         heldout = HeldOut(run.model, run.text.streams)

@@ -237,6 +237,10 @@ def _e(value) -> str:
     return html.escape(str(value))
 
 
+def _g(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}"
+
+
 def _table(header: list[str] | None, rows: list[list], numeric: set[int] = frozenset(), row_class=None) -> str:
     """An HTML table; every cell is escaped, columns in ``numeric`` are right-aligned."""
     out = ["<table>"]
@@ -254,15 +258,48 @@ def _table(header: list[str] | None, rows: list[list], numeric: set[int] = froze
 def _search_table(meta, ranked: dict[str, float]) -> str:
     """Every candidate of the search log; the ranking streams' KL in a column of its own where there is one."""
     front, log = set(meta.pareto_front), meta.search_log
-    extra = ["KL, ranking streams"] if ranked else []  # a column only where the profile has the stage
+    tail = any(c.quality.kl_p99 is not None for c in log)  # profiles from before the tail was recorded have none
+    extra = (["KL p99"] if tail else []) + (["KL, ranking streams"] if ranked else [])  # columns where there is data
     return _table(
         ["name", "level", "memory", "ppl increase % (measured)", "ppl increase % (from KL)", "KL", *extra, "score",
          "feasible", "on frontier"],
         [[c.name, c.level, f"{c.memory:.4f}", f"{c.ppl_increase_pct:+.3f}", f"{_y(c):+.3f}", f"{c.quality.kl:.3g}",
+          *([_g(c.quality.kl_p99)] if tail else []),
           *([f"{ranked[c.name]:.3g}" if c.name in ranked else ""] if ranked else []),
           f"{c.score:.4g}", "yes" if c.feasible else "no", "yes" if c.name in front else ""] for c in log],
         numeric=set(range(1, 7 + len(extra))),
         row_class=lambda r: "chosen" if log[r].name == meta.chosen.name else None)
+
+
+def _outliers_html(profile) -> str:
+    """Which layers hold outlier channels (:mod:`kvguard.calibration.outliers`), how large, and what the plan
+    stores those layers as."""
+    from kvguard.calibration import outliers
+
+    if "stats.key.absmax" not in profile.tensors:
+        return ""
+    keys, values = outliers.find(profile.tensors, "key"), outliers.find(profile.tensors, "value")
+    intro = (f"<h2>Outlier channels</h2><p>Channels whose range exceeds {outliers.OUTLIER_FACTOR:g}x the median "
+             f"channel's of their KV head (calibration statistics; keys after RoPE); an offset is a channel whose "
+             f"mean is at least {outliers.OFFSET_SHARE:g} of its range, a bias rather than spikes. Keys are "
+             f"quantized per channel, so an outlier channel gets a range of its own; a rotation mixes it into "
+             f"the others.</p>")
+    hit = [layer for layer in range(len(keys)) if keys[layer].channels or values[layer].channels]
+    if not hit:
+        return intro + "<p>None in this model.</p>"
+    prerope = "yes" if profile.plan.cache.prerope_keys else "no"
+
+    def side(r) -> str:
+        return f"{len(r.channels)} ({r.offsets} offsets), {r.ratio:.0f}x, absmax {r.absmax:.3g}" if r.channels else "-"
+
+    rows = []
+    for layer in hit:
+        lp = profile.plan.layers[layer]
+        rows.append([layer, side(keys[layer]), side(values[layer]), "/".join(p.value for p in lp.precision),
+                     "yes" if lp.key_rotation else "no", f"{lp.key_clip:g}", prerope])
+    return intro + _table(["layer", "key outliers: channels, largest / median, absmax", "value outliers",
+                           "plan: tiers per KV head", "keys rotated", "key clip", "keys before RoPE"], rows,
+                          numeric={0})
 
 
 def _html(profile, timeline: str = "") -> str:
@@ -329,6 +366,7 @@ def _html(profile, timeline: str = "") -> str:
         f'<figure><img src="{SENSITIVITY_PNG}" alt="sensitivity heat map, layer by KV head">'
         "<figcaption>KL to the FP16 model when a single layer (rows marked *: a single KV head) is INT2 and "
         "everything else is unchanged; unmeasured heads show their layer's KL split evenly.</figcaption></figure>",
+        _outliers_html(profile),
         "<h2>Search</h2>",
         f'<figure><img src="{PARETO_PNG}" alt="memory against perplexity increase for every candidate">'
         "<figcaption>Every candidate of the three search levels; the line joins the Pareto frontier, the star "

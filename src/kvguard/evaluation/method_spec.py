@@ -5,7 +5,9 @@ The grammar of ``kvguard eval``'s method names (:mod:`kvguard.evaluation.methods
     name     := live | static
     live     := "kvguard-live" [":" static]          the feedback loop over a static method (default: kvguard)
     static   := base ("+" modifier)*                  modifiers apply left to right
-    base     := "kvguard" ["@" bytes] | <registered>  the profile's plan, its frontier plan, or a listed method
+    base     := "kvguard" ["@" bytes ["/p99"]] | <registered>
+                                                      the profile's plan, its frontier plan (ranked by the mean
+                                                      KL, or by its 99th percentile), or a listed method
 
 :func:`parse` reads a name into a :class:`MethodSpec` and refuses what the grammar does not allow (an unknown
 modifier, a budget that is not a number, a loop over a loop), naming the valid values; whether a base is
@@ -23,6 +25,7 @@ from kvguard.plan import Plan
 
 KVGUARD = "kvguard"  # the profile's chosen plan; ``kvguard@<bytes>``: its frontier plan within a budget
 LIVE = "kvguard-live"  # the feedback loop, over ``kvguard`` or over ``kvguard-live:<static method>``
+TAIL = "/p99"  # ``kvguard@<bytes>/p99``: the budget's plan ranked by its tail KL
 
 
 class Modifier(str, Enum):
@@ -98,6 +101,7 @@ class MethodSpec:
         modifiers: the plan changes, in the order they apply.
         live: the method decodes under the feedback loop.
         over: for a live method, the static method the loop runs over (``kvguard`` unless named).
+        tail: ``kvguard@<bytes>/p99``: the plan within the budget with the lowest p99 per-token KL, not mean KL.
     """
 
     name: str
@@ -106,12 +110,15 @@ class MethodSpec:
     modifiers: tuple[Modifier, ...] = ()
     live: bool = False
     over: MethodSpec | None = None
+    tail: bool = False
 
     def __post_init__(self) -> None:
         if self.live != (self.over is not None):
             raise ValueError(f"{self.name!r}: a live method, and only one, names the method its loop runs over")
         if self.budget is not None and self.base != KVGUARD:
             raise ValueError(f"{self.name!r}: only {KVGUARD}@<bytes> takes a budget")
+        if self.tail and self.budget is None:
+            raise ValueError(f"{self.name!r}: only {KVGUARD}@<bytes> ranks by the tail ({KVGUARD}@<bytes>{TAIL})")
 
     @property
     def needs_profile(self) -> bool:
@@ -138,11 +145,14 @@ def parse(name: str) -> MethodSpec:
             prefix = "+".join([base, *written[:i + 1]])
             raise ValueError(f"{prefix!r}: unknown modifier {modifier!r}; valid modifiers are [{', '.join(MODIFIERS)}]")
         modifiers.append(Modifier(modifier))
-    budget = None
+    budget, tail = None, False
     if base.startswith(KVGUARD + "@"):
+        written_budget = base.split("@", 1)[1]
+        tail = written_budget.endswith(TAIL)
         try:
-            budget = float(base.split("@", 1)[1])
+            budget = float(written_budget.removesuffix(TAIL))
         except ValueError:
-            raise ValueError(f"{base!r}: expected {KVGUARD}@<bytes ratio>, e.g. {KVGUARD}@0.25") from None
+            raise ValueError(f"{base!r}: expected {KVGUARD}@<bytes ratio>[{TAIL}], e.g. {KVGUARD}@0.25 or "
+                             f"{KVGUARD}@0.25{TAIL}") from None
         base = KVGUARD
-    return MethodSpec(name, base, budget, tuple(modifiers))
+    return MethodSpec(name, base, budget, tuple(modifiers), tail=tail)

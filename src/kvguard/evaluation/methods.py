@@ -197,15 +197,19 @@ def frontier_method(name: str, profile) -> Method:
     """``kvguard@<bytes>``: the profile's Pareto-frontier plan with the lowest held-out KL among those storing
     at most ``<bytes>`` of FP16, or where calibration ranked that plan on longer text, the best ranked with it
     that fits (:meth:`~kvguard.profile.ProfileMeta.frontier_pick`): a more aggressive plan than the chosen one."""
-    budget = method_spec.parse(name).budget
-    if budget is None:
+    spec = method_spec.parse(name)
+    if spec.budget is None:
         raise ValueError(f"{name!r}: expected {method_spec.KVGUARD}@<bytes ratio>, e.g. {method_spec.KVGUARD}@0.25")
-    point = profile.meta.frontier_pick(budget)
+    try:
+        point = profile.meta.frontier_pick(spec.budget, tail=spec.tail)
+    except ValueError as err:
+        raise ValueError(f"{name!r}: {err}") from None
     if point is None:
-        raise ValueError(f"{name!r}: the profile's Pareto frontier has no plan at or below {budget} of FP16 "
+        raise ValueError(f"{name!r}: the profile's Pareto frontier has no plan at or below {spec.budget} of FP16 "
                          f"(its points store {[round(c.memory, 3) for c in profile.meta.frontier()]})")
     plan = point.plan
-    return Method(name, f"calibrated frontier plan {point.name} ({point.memory:.3f} of FP16 on held-out text)",
+    ranked = ", lowest p99 KL" if spec.tail else ""
+    return Method(name, f"calibrated frontier plan {point.name} ({point.memory:.3f} of FP16 on held-out text{ranked})",
                   lambda arch: plan, scales=profile.static_scales())
 
 
