@@ -225,11 +225,14 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
 
 
 def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
-         device: str | torch.device = "cpu"):
+         device: str | torch.device = "cpu", settle_heap: bool = True):
     """Load ``(model, tokenizer)`` offline, in eval mode, on ``device`` (``cpu``, ``cuda``, ``auto``: see
     :mod:`kvguard.device`; checked before the weights load, so ``cuda`` without a GPU fails at once).
 
     ``name_or_path`` is an embedded model name (see ``EMBEDDED``) or a local Hugging Face model folder.
+    ``settle_heap``: fix the C heap's thresholds for a process that holds a KV cache (:func:`kvguard.heap.settle`);
+    calibration, which holds none, passes ``False``: glibc's own thresholds reuse its large blocks instead of
+    faulting their pages in afresh, and its statistics batches ran 15-25 % faster on Qwen2.5-Coder.
     """
     from transformers import AutoModelForCausalLM
 
@@ -237,7 +240,8 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype 
     from kvguard.device import resolve as resolve_device
 
     target = resolve_device(device)
-    heap.settle()  # a CPU cache's prefill would otherwise leave the C heap holding holes (kvguard.heap)
+    if settle_heap:  # a CPU cache's prefill would otherwise leave the C heap holding holes (kvguard.heap)
+        heap.settle()
     tokenizer = load_tokenizer(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype).to(target)
     model.eval()

@@ -143,7 +143,7 @@ class _RayWorker(Worker):
     def __init__(self, model_name: str, threads: int) -> None:
         # Ray sets OMP_NUM_THREADS in its workers from its own CPU accounting; set torch's count explicitly.
         torch.set_num_threads(threads)
-        model, _ = models.load(model_name)
+        model, _ = models.load(model_name, settle_heap=False)  # no KV cache here (kvguard.models.load)
         super().__init__(model)
 
     def describe(self) -> dict:

@@ -77,7 +77,7 @@ class _Run:
         self.seconds: dict[str, float] = {}
         self.resumed: list[str] = []
         t0 = time.perf_counter()
-        self.model, self.tok = models.load(cfg.model, device=cfg.device)
+        self.model, self.tok = models.load(cfg.model, device=cfg.device, settle_heap=False)  # holds no cache
         self.arch = Architecture.from_config(self.model.config)
         self.fingerprint = models.fingerprint(self.model)
         self.seconds["load"] = time.perf_counter() - t0
