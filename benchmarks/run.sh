@@ -106,6 +106,18 @@ recall() {  # Long-range recall, and the pass key
     --methods fp16,int4,kivi-2,hf-quanto-4 --json "$OUT/smollm2-135m-passkey.json" | tee "$OUT/smollm2-135m-passkey.md"
 }
 
+qwen() {  # Qwen2.5-Coder-0.5B (key outliers): calibration time, plan and frontier against the peers, with tails
+  local m=qwen2.5-coder-0.5b
+  { /usr/bin/time -f "wall %e s, max RSS %M KiB" $KV calibrate --model "$m" --samples 512 --out "$PROFILES/$m-512" 2>&1 \
+      | tr '\r' '\n' | grep -v -E '(it/s|s/it|/s|s/batch|s/plan|s/tier)\]|^\s*$' ; } 2>&1 | tee "$OUT/$m-calibrate-512.log"
+  $KV eval --model "$m" --profile "$PROFILES/$m-512" --corpus prose,code,dialog --tokens 2048 \
+    --methods fp16,int4,int3,int3+rot,int3+prerope,kivi-4,hf-quanto-4,kvguard,kvguard@0.2585,kvguard@0.2585/p99,kvguard@0.2068 \
+    --json "$OUT/$m-frontier.json" | tee "$OUT/$m-frontier.md"
+  $KV eval --model "$m" --corpus prose,code,dialog --tokens 2048 --methods llamacpp-f16,llamacpp-q8_0,llamacpp-q4_0 \
+    --json "$OUT/$m-llamacpp.json" | tee "$OUT/$m-llamacpp.md"
+  $PY benchmarks/frontier.py --check "$OUT/$m-frontier.json" "$OUT/$m-llamacpp.json" | tee "$OUT/$m-frontier-check.md"
+}
+
 ray() {  # Calibration on Ray, 1 vs 2 workers (about 30 minutes; needs a quiet machine)
   $PY benchmarks/ray_scaling.py --samples 512 --workers 1,2 --out "$OUT/smollm2-135m-ray-scaling.md"
 }
@@ -131,7 +143,7 @@ pages() {  # The pages: the tests that render the report and the status page in 
     "tests/serving/test_pages.py::test_status_page_renders_live_numbers_in_chromium"
 }
 
-SECTIONS=(quality calibrate frontier llamacpp loop speed memory serving recall ray engines pages)
+SECTIONS=(quality calibrate frontier llamacpp qwen loop speed memory serving recall ray engines pages)
 if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then
   echo "usage: benchmarks/run.sh [SECTION ...]   (default: all, in this order)"
   for s in "${SECTIONS[@]}"; do printf '  %-10s %s\n' "$s" "$(grep -m1 "^$s() {" "$0" | sed 's/.*# //')"; done

@@ -181,6 +181,18 @@ def test_eval_frontier_lists_the_peers_below_kvguards_frontier(tmp_path):
     assert {p.method for p in points} == {"kvguard", "kvguard@0.2", "int4", "llamacpp-q4_0", "kivi-2"}
     assert [(p.method, p.corpus) for p in eval_frontier.below_frontier(points)] == [("llamacpp-q4_0", "prose")]
     assert [p.bytes_ratio for p in eval_frontier.frontier([p for p in points if p.corpus == "prose"])] == [0.2, 0.34]
+    # By the tail: the p99 KLs order the same points differently.
+    tails = {("kvguard", "prose"): 0.01, ("kvguard@0.2", "prose"): 0.3, ("int4", "prose"): 0.05,
+             ("llamacpp-q4_0", "prose"): 0.4, ("kivi-2", "code"): 0.2, ("kvguard@0.2", "code"): 0.5}
+    path.write_text(json.dumps({"results": [dict(r, kl_p99=tails[(r["method"], r["corpus"])])
+                                            if (r["method"], r.get("corpus")) in tails else r for r in rows]}))
+    tail = eval_frontier.read_points(path, "p99")
+    assert [(p.method, p.corpus) for p in eval_frontier.below_frontier(tail)] == [("kivi-2", "code")]
+    path.write_text(json.dumps({"results": rows}))
+    with pytest.raises(ValueError, match=r"no method with bytes and p99 KL \(kl_p99: rows from before"):
+        eval_frontier.read_points(path, "p99")
+    with pytest.raises(ValueError, match=r"unknown KL measure 'p50'; one of \[mean, p99\]"):
+        eval_frontier.read_points(path, "p50")
     for text, message in (("[1, 2]", "a 'results' list"), ("{", "not a readable JSON"),
                           ('{"results": [{"method": "fp16", "kv_bytes_ratio": 1, "kl": 0}]}', "no method")):
         path.write_text(text)

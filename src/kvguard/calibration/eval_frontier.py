@@ -16,6 +16,8 @@ from pathlib import Path
 
 # Rows that are their own engine's reference (KL 0 by construction): not a point on a KL axis.
 REFERENCES = ("fp16", "llamacpp-f16")
+# What a point's KL is: the mean per-token KL, or its 99th percentile (the tail a mean hides), per eval row field.
+MEASURES = {"mean": "kl", "p99": "kl_p99"}
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,11 @@ class Point:
         return self.method == "kvguard" or self.method.startswith("kvguard@")
 
 
-def read_points(path: str | os.PathLike) -> list[Point]:
-    """The measured points of a ``kvguard eval --json`` file; a clear ``ValueError`` for anything else."""
+def read_points(path: str | os.PathLike, measure: str = "mean") -> list[Point]:
+    """The measured points of a ``kvguard eval --json`` file, their KL the row's ``measure`` (a :data:`MEASURES`
+    key); a clear ``ValueError`` for anything else."""
+    if measure not in MEASURES:
+        raise ValueError(f"unknown KL measure {measure!r}; one of [{', '.join(MEASURES)}]")
     try:
         payload = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -43,11 +48,12 @@ def read_points(path: str | os.PathLike) -> list[Point]:
     for row in rows:
         if not isinstance(row, dict) or row.get("error") or row.get("method") in REFERENCES:
             continue
-        ratio, kl = row.get("kv_bytes_ratio"), row.get("kl")
+        ratio, kl = row.get("kv_bytes_ratio"), row.get(MEASURES[measure])
         if isinstance(ratio, (int, float)) and isinstance(kl, (int, float)):
             points.append(Point(str(row["method"]), str(row.get("corpus", "")), float(ratio), float(kl)))
     if not points:
-        raise ValueError(f"--eval {path}: no method with bytes and KL in it (run `kvguard eval` with --methods)")
+        what = "KL" if measure == "mean" else f"{measure} KL ({MEASURES[measure]}: rows from before the tail was recorded have none)"
+        raise ValueError(f"--eval {path}: no method with bytes and {what} in it (run `kvguard eval` with --methods)")
     return points
 
 
@@ -72,7 +78,7 @@ def below_frontier(points: list[Point]) -> list[Point]:
     return out
 
 
-def figure(points: list[Point], title: str):
+def figure(points: list[Point], title: str, measure: str = "mean"):
     """One panel per corpus: log KL against bytes, kvguard's frontier as a line, peers as labelled points."""
     from matplotlib.figure import Figure
 
@@ -95,7 +101,7 @@ def figure(points: list[Point], title: str):
                         color=color)
         ax.set_yscale("log")
         ax.set_xlabel("KV bytes / FP16 bytes")
-        ax.set_ylabel("KL to the reference (nats/token)")
+        ax.set_ylabel("KL to the reference (nats/token)" if measure == "mean" else f"{measure} per-token KL (nats)")
         ax.set_title(corpus, fontsize=9)
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=7, loc="upper right")

@@ -44,13 +44,14 @@ RANKING_ROWS = 12
 
 
 def write(profile, out_dir: str | os.PathLike, events: str | os.PathLike | None = None,
-          evals: list[str | os.PathLike] = ()) -> Path:
+          evals: list[str | os.PathLike] = (), measure: str = "mean") -> Path:
     """Write the plots and ``index.html`` for ``profile`` into ``out_dir`` (created); return the page's path.
     ``events``: a JSON-lines events file of the live loop (``kvguard generate --events``), shown as a timeline;
-    ``evals``: ``kvguard eval --json`` files, drawn as the frontier on evaluation text."""
+    ``evals``: ``kvguard eval --json`` files, drawn as the frontier on evaluation text, ranked by the mean
+    per-token KL or, ``measure="p99"``, by its 99th percentile."""
     from kvguard.calibration import eval_frontier
 
-    points = [p for path in evals for p in eval_frontier.read_points(path)]  # bad files fail before any plot
+    points = [p for path in evals for p in eval_frontier.read_points(path, measure)]  # bad files fail before any plot
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401  (fail early, with the hint)
     except ImportError as err:
@@ -66,10 +67,10 @@ def write(profile, out_dir: str | os.PathLike, events: str | os.PathLike | None 
         _save(_timeline_figure(records), out / TIMELINE_PNG)
         timeline = _timeline_html(records, Path(events).name)
     if points:
-        fig = eval_frontier.figure(points, f"{profile.model_name}: frontier on evaluation text")
+        fig = eval_frontier.figure(points, f"{profile.model_name}: frontier on evaluation text", measure)
         FigureCanvasAgg(fig)
         _save(fig, out / EVAL_FRONTIER_PNG)
-        timeline = _eval_html(points) + timeline
+        timeline = _eval_html(points, measure) + timeline
     page = out / INDEX_HTML
     page.write_text(_html(profile, timeline), encoding="utf-8")
     return page
@@ -379,21 +380,23 @@ def _html(profile, timeline: str = "") -> str:
     ])
 
 
-def _eval_html(points) -> str:
+def _eval_html(points, measure: str = "mean") -> str:
     from kvguard.calibration import eval_frontier
 
     below = eval_frontier.below_frontier(points)
+    kl = "KL" if measure == "mean" else f"{measure} KL"
     rows = [[p.corpus, p.method, f"{p.bytes_ratio:.3f}", f"{p.kl:.3g}", "BELOW" if p in below else ""]
             for p in sorted(points, key=lambda p: (p.corpus, p.bytes_ratio))]
     verdict = (f"{len(below)} peer point(s) lie below kvguard's frontier." if below
-               else "No peer point lies below kvguard's frontier (lower KL at equal or fewer bytes).")
+               else f"No peer point lies below kvguard's frontier (lower {kl} at equal or fewer bytes).")
     return "\n".join([
-        "<h2>Frontier on evaluation text</h2>",
+        "<h2>Frontier on evaluation text</h2>" if measure == "mean" else
+        f"<h2>Frontier on evaluation text, by the {_e(measure)} per-token KL</h2>",
         f"<p>What <code>kvguard eval</code> measured on the evaluation split (never calibration text). {_e(verdict)}</p>",
         f'<figure><img src="{EVAL_FRONTIER_PNG}" alt="KL against KV bytes per corpus, kvguard and peers">'
         "<figcaption>KL to each engine's own unquantized reference against KV bytes; the line joins kvguard's "
         "calibrated plans (kvguard, kvguard@&lt;bytes&gt;), red points are peers below it.</figcaption></figure>",
-        _table(["corpus", "method", "bytes / FP16", "KL", "below kvguard's frontier"], rows, numeric={2, 3}),
+        _table(["corpus", "method", "bytes / FP16", kl, "below kvguard's frontier"], rows, numeric={2, 3}),
     ])
 
 

@@ -13,6 +13,9 @@ def add_parser(sub) -> None:
     p.add_argument("--eval", action="append", default=[], metavar="JSON", dest="evals",
                    help="a `kvguard eval --json` file (repeatable): adds the frontier on evaluation text with every "
                         "peer's point")
+    p.add_argument("--rank-by", choices=("mean", "p99"), default="mean",
+                   help="the KL the --eval frontier is drawn and judged by: the mean per-token KL, or its 99th "
+                        "percentile (the rare tokens a mean hides)")
     p.set_defaults(func=run)
 
 
@@ -21,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.cli.common import load_profile, writable_dir
 
     writable_dir("--out", args.out)
-    page = report.write(load_profile(args.profile), args.out, events=args.events, evals=args.evals)
+    page = report.write(load_profile(args.profile), args.out, events=args.events, evals=args.evals,
+                        measure=args.rank_by)
     print(f"report written to {page}")
     return 0
