@@ -113,9 +113,13 @@ qwen() {  # Qwen2.5-Coder-0.5B (key outliers): calibration time, plan and fronti
   $KV eval --model "$m" --profile "$PROFILES/$m-512" --corpus prose,code,dialog --tokens 2048 \
     --methods fp16,int4,int3,int3+rot,int3+prerope,kivi-4,hf-quanto-4,kvguard,kvguard@0.2585,kvguard@0.2585/p99,kvguard@0.2068 \
     --json "$OUT/$m-frontier.json" | tee "$OUT/$m-frontier.md"
-  $KV eval --model "$m" --corpus prose,code,dialog --tokens 2048 --methods llamacpp-f16,llamacpp-q8_0,llamacpp-q4_0 \
+  $KV eval --model "$m" --corpus prose,code,dialog --tokens 2048 --methods llamacpp-f16,llamacpp-q4_0 \
     --json "$OUT/$m-llamacpp.json" | tee "$OUT/$m-llamacpp.md"
-  $PY benchmarks/frontier.py --check "$OUT/$m-frontier.json" "$OUT/$m-llamacpp.json" | tee "$OUT/$m-frontier-check.md"
+  $KV eval --model "$m" --profile "$PROFILES/$m-512" --corpus prose,code,dialog --tokens 2048 \
+    --methods fp16,int3+rot+prerope,kvguard@0.2585+postrope,kvguard@0.3605 \
+    --json "$OUT/$m-ablation.json" | tee "$OUT/$m-ablation.md"   # keys before / after RoPE at the same bytes
+  $PY benchmarks/frontier.py --check "$OUT/$m-frontier.json" "$OUT/$m-ablation.json" "$OUT/$m-llamacpp.json" \
+    | tee "$OUT/$m-frontier-check.md"
 }
 
 ray() {  # Calibration on Ray, 1 vs 2 workers (about 30 minutes; needs a quiet machine)
