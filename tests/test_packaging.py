@@ -49,7 +49,7 @@ def test_wheel_in_a_fresh_venv_lists_the_embedded_models(tmp_path):
     where = _run([str(py), "-c", "import kvguard; print(kvguard.__file__)"], cwd=tmp_path, env=env)
     assert where.startswith(str(venv))  # the installed package, not the checkout
     out = _run([str(kvguard), "models"], cwd=tmp_path, env=env)
-    assert "| smollm2-135m | llama" in out and "9 / 3" in out
+    assert "| smollm2-135m " in out and "| llama " in out and "9 / 3" in out  # cells padded to the widest name
     assert "| gemma3-270m" in out and "4 / 1" in out and str(home / "models") in out
     # The features of the extras not installed here say what to install.
     probe = ("from kvguard.calibration import report\n"
