@@ -17,7 +17,8 @@
   scales; needs ``--profile``.
 - ``kvguard@<bytes>``: the profile's Pareto-frontier plan storing at most ``<bytes>`` of FP16 (e.g.
   ``kvguard@0.25``), a more aggressive calibrated plan; where calibration ranked the closest plans on longer text,
-  the best of those that fits.
+  the best of those that fits. ``kvguard@<bytes>/p99``: the searched plan within the bytes with the lowest held-out
+  p99 per-token KL instead.
 - ``fp8`` / ``fp8:head`` / ``fp8:sglang``: the FP8-E4M3 cache a serving engine keeps with the scales
   ``kvguard export`` writes from the profile (:mod:`kvguard.fp8`): vLLM per tensor (the plan's FP16 layers
   skipped), vLLM per KV head, SGLang (one scale per layer for K and V, no layer skipped); ``fp8:vllm-cpu``:
