@@ -21,7 +21,8 @@ ROOT = Path(kvguard.__file__).parent
 CORE = ("precision", "packing", "quantizer", "config", "plan", "cache_layer", "cache", "fp8", "per_token_head",
         "simulate", "entropy", "profile", "models", "assets", "architecture", "attention", "atomic", "rotation",
         "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope", "metrics",
-        "scoring", "risk", "store", "stored_read", "overlay", "rows", "chunk_attention", "packed", "heap")
+        "scoring", "risk", "store", "stored_read", "overlay", "rows", "chunk_attention", "packed", "heap",
+        "gguf_parts")
 CORE_PACKAGES = ("data",)
 STAGES = ("calibration", "control", "evaluation", "serving", "peers", "export")
 FRONT_DOOR = ("__init__.py", "__main__.py")  # like cli/, may import anything: the public re-exports, `python -m`
