@@ -122,6 +122,14 @@ qwen() {  # Qwen2.5-Coder-0.5B (key outliers): calibration time, plan and fronti
     | tee "$OUT/$m-frontier-check.md"
 }
 
+long() {  # Long context: 8,192 tokens through the calibrated plans (the models with the positions; needs their profiles)
+  for m in gemma3-270m qwen2.5-coder-0.5b; do
+    { /usr/bin/time -f "wall %e s, max RSS %M KiB" $KV eval --model "$m" --profile "$PROFILES/$m-512" \
+        --corpus prose,code,dialog --tokens 8192 --methods fp16,int4,kvguard --json "$OUT/$m-8192.json" ; } 2>&1 \
+      | tr '\r' '\n' | grep -v -E '(it/s|s/it|/s|s/chunk|s/tok)\]|^\s*$' | tee "$OUT/$m-8192.md"
+  done
+}
+
 ray() {  # Calibration on Ray, 1 vs 2 workers (about 30 minutes; needs a quiet machine)
   $PY benchmarks/ray_scaling.py --samples 512 --workers 1,2 --out "$OUT/smollm2-135m-ray-scaling.md"
 }
@@ -147,7 +155,7 @@ pages() {  # The pages: the tests that render the report and the status page in 
     "tests/serving/test_pages.py::test_status_page_renders_live_numbers_in_chromium"
 }
 
-SECTIONS=(quality calibrate frontier llamacpp qwen loop speed memory serving recall ray engines pages)
+SECTIONS=(quality calibrate frontier llamacpp qwen long loop speed memory serving recall ray engines pages)
 if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then
   echo "usage: benchmarks/run.sh [SECTION ...]   (default: all, in this order)"
   for s in "${SECTIONS[@]}"; do printf '  %-10s %s\n' "$s" "$(grep -m1 "^$s() {" "$0" | sed 's/.*# //')"; done

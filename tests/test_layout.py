@@ -22,7 +22,7 @@ CORE = ("precision", "packing", "quantizer", "config", "plan", "cache_layer", "c
         "simulate", "entropy", "profile", "models", "assets", "architecture", "attention", "atomic", "rotation",
         "fused_attention", "triton_attention", "device", "backing", "score_bias", "scale_codes", "rope", "metrics",
         "scoring", "risk", "store", "stored_read", "overlay", "rows", "chunk_attention", "packed", "heap",
-        "gguf_parts")
+        "gguf_parts", "logprob_file")
 CORE_PACKAGES = ("data",)
 STAGES = ("calibration", "control", "evaluation", "serving", "peers", "export")
 FRONT_DOOR = ("__init__.py", "__main__.py")  # like cli/, may import anything: the public re-exports, `python -m`

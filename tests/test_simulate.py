@@ -10,7 +10,7 @@ from kvguard.config import CacheConfig
 from kvguard.architecture import Architecture
 from kvguard.plan import LayerPlan, Plan, StaticScales
 from kvguard.scoring import score_simulated, score_stream
-from kvguard.simulate import quantize_switch_points, simulate_logits
+from kvguard.simulate import quantize_switch_points, simulate_logit_slices, simulate_logits
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,18 @@ def _mixed_plan(arch: Architecture, cfg: CacheConfig, tiers: tuple[str, ...], ro
         for i in range(arch.num_layers)
     )
     return Plan(layers, cfg)
+
+
+def test_slices_are_the_one_pass_logits(smollm2):
+    """The output head a slice at a time (how ``kvguard eval`` scores long texts) gives the one pass's logits."""
+    model, tok = smollm2
+    arch = Architecture.from_config(model.config)
+    plan = _mixed_plan(arch, CacheConfig(residual=16, sinks=4, group_size=16), ("int3", "int4", "int8"), True)
+    ids = data.token_stream("prose", "eval", tok, 300)
+    whole = simulate_logits(model, ids, plan, keep_from=40)  # [260, vocab]
+    parts = [p.clone() for p in simulate_logit_slices(model, ids, plan, keep_from=40, rows=100)]
+    assert [p.shape[0] for p in parts] == [100, 100, 60]
+    assert torch.allclose(torch.cat(parts), whole, rtol=0, atol=1e-4)
 
 
 # Within 0.2 % perplexity is the contract. The plan with rotated INT2 heads gets 1 %: one flipped INT2 bin moves a

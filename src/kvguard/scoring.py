@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
+from kvguard.logprob_file import LogprobFile
 from kvguard.metrics import TokenMetrics, quantile
 
 # Logits are turned into metrics this many positions at a time (bounds memory for 262k-token vocabularies).
@@ -38,7 +39,9 @@ class StreamScore:
         kl: mean ``KL(reference || method)`` when a reference was given, else ``None``.
         top1_agree: arg-max agreement with the reference, else ``None``.
         seconds: wall time of the model passes.
-        logits: ``[tokens - 1, vocab]`` float32 next-token logits when kept, else ``None``.
+        logits: ``[tokens - 1, vocab]`` float32 next-token logits when kept in memory (``keep_logits``), else
+            ``None`` (a :class:`~kvguard.logprob_file.LogprobFile` passed as ``keep_logprobs`` holds their
+            log-softmax on disk instead).
         token_kl: ``[tokens - 1]`` float32, the KL at each prediction when a reference was given, else ``None``
             (its tail: :attr:`kl_p99`, :attr:`kl_p999`, :attr:`kl_max`).
     """
@@ -76,12 +79,17 @@ def _check(ids: torch.Tensor) -> torch.Tensor:
 
 
 class _Scorer:
-    """Next-token metrics of ``ids`` (``[T]``), fed the predictions in order, any number at a time."""
+    """Next-token metrics of ``ids`` (``[T]``), fed the predictions in order, any number at a time. ``reference``:
+    ``[T - 1, vocab]`` log-probabilities, a tensor or a :class:`~kvguard.logprob_file.LogprobFile` (read a slice at a
+    time either way); ``keep_logits`` keeps the logits in memory, ``keep_logprobs`` appends their log-softmax to a
+    file (a reference for later passes, however long the text)."""
 
-    def __init__(self, ids: torch.Tensor, reference: torch.Tensor | None, keep_logits: bool) -> None:
+    def __init__(self, ids: torch.Tensor, reference: torch.Tensor | LogprobFile | None, keep_logits: bool,
+                 keep_logprobs: LogprobFile | None = None) -> None:
         self.ids, self.reference = ids, reference
         self.metrics = TokenMetrics()
         self.kept: list[torch.Tensor] | None = [] if keep_logits else None
+        self.sink = keep_logprobs
         self.done = 0
         self.t0 = time.perf_counter()
 
@@ -93,6 +101,8 @@ class _Scorer:
             targets = self.ids[start + 1:start + 1 + piece.shape[0]].to(piece.device)
             ref = None if self.reference is None else self.reference[start:start + piece.shape[0]]
             self.metrics.add(piece, targets, ref)
+            if self.sink is not None:
+                self.sink.append(piece)
         if self.kept is not None:
             self.kept.append(logits.cpu())
         self.done += logits.shape[0]
@@ -106,17 +116,19 @@ class _Scorer:
 
 @torch.no_grad()
 def score_stream(model, input_ids: torch.Tensor, cache: Cache, *, chunk: int = 1,
-                 reference: torch.Tensor | None = None, keep_logits: bool = False,
-                 progress: bool = False, desc: str = "scoring") -> StreamScore:
+                 reference: torch.Tensor | LogprobFile | None = None, keep_logits: bool = False,
+                 keep_logprobs: LogprobFile | None = None, progress: bool = False,
+                 desc: str = "scoring") -> StreamScore:
     """Feed ``input_ids`` (``[T]`` or ``[1, T]``) through ``model`` in chunks of ``chunk`` tokens, each chunk
     attending to the cached (possibly quantized) past, and score every next-token prediction.
 
-    ``reference``: ``[T - 1, vocab]`` reference log-probabilities for KL and top-1 agreement.
+    ``reference``: ``[T - 1, vocab]`` reference log-probabilities for KL and top-1 agreement; ``keep_logits`` /
+    ``keep_logprobs``: see :class:`_Scorer` (the same in every ``score_*`` function).
     """
     ids = _check(input_ids).to(model.device)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    scorer = _Scorer(ids, reference, keep_logits)
+    scorer = _Scorer(ids, reference, keep_logits, keep_logprobs)
     total = ids.numel()
     for start in tqdm(range(0, total - 1, chunk), desc=desc, unit="chunk", disable=not progress, leave=False):
         piece = ids[start:min(start + chunk, total - 1)].view(1, -1)
@@ -125,28 +137,32 @@ def score_stream(model, input_ids: torch.Tensor, cache: Cache, *, chunk: int = 1
 
 
 @torch.no_grad()
-def score_simulated(model, input_ids: torch.Tensor, plan, *, reference: torch.Tensor | None = None,
-                    keep_logits: bool = False, scales=None) -> StreamScore:
+def score_simulated(model, input_ids: torch.Tensor, plan, *, reference: torch.Tensor | LogprobFile | None = None,
+                    keep_logits: bool = False, keep_logprobs: LogprobFile | None = None, scales=None) -> StreamScore:
     """Like ``score_stream(..., chunk=1)`` through ``plan.make_cache``, in one simulated forward pass
-    (see :mod:`kvguard.simulate`); ``scales``: calibrated INT8 :class:`~kvguard.plan.StaticScales`."""
-    from kvguard.simulate import simulate_logits
+    (see :mod:`kvguard.simulate`); ``scales``: calibrated INT8 :class:`~kvguard.plan.StaticScales`. The output head
+    runs :data:`_SLICE` positions at a time, so no ``[T, vocab]`` logits are held at once."""
+    from kvguard.simulate import simulate_logit_slices
 
     ids = _check(input_ids)
-    scorer = _Scorer(ids, reference, keep_logits)
+    scorer = _Scorer(ids, reference, keep_logits, keep_logprobs)
+    seconds = 0.0
     t0 = time.perf_counter()
-    logits = simulate_logits(model, ids[:-1], plan, scales)
-    seconds = time.perf_counter() - t0
-    scorer.add(logits)
+    for logits in simulate_logit_slices(model, ids[:-1], plan, scales, rows=_SLICE):
+        seconds += time.perf_counter() - t0  # the model's time, not the scoring's
+        scorer.add(logits)
+        t0 = time.perf_counter()
     return scorer.result(seconds)
 
 
 @torch.no_grad()
-def score_live(session, input_ids: torch.Tensor, *, reference: torch.Tensor | None = None,
-               keep_logits: bool = False, progress: bool = False, desc: str = "live") -> StreamScore:
+def score_live(session, input_ids: torch.Tensor, *, reference: torch.Tensor | LogprobFile | None = None,
+               keep_logits: bool = False, keep_logprobs: LogprobFile | None = None, progress: bool = False,
+               desc: str = "live") -> StreamScore:
     """Teacher-forced scoring through ``session`` (a :class:`~kvguard.control.session.LiveSession`) token by
     token, the loop acting as it goes."""
     ids = _check(input_ids)
-    scorer = _Scorer(ids, reference, keep_logits)
+    scorer = _Scorer(ids, reference, keep_logits, keep_logprobs)
     pending: list[torch.Tensor] = []
     for token in tqdm(ids[:-1].tolist(), desc=desc, unit="tok", disable=not progress, leave=False):
         pending.append(session.step(token))
@@ -158,13 +174,14 @@ def score_live(session, input_ids: torch.Tensor, *, reference: torch.Tensor | No
     return scorer.result()
 
 
-def score_logits(input_ids: torch.Tensor, chunks: Iterable[torch.Tensor], *, reference: torch.Tensor | None = None,
-                 keep_logits: bool = False) -> StreamScore:
+def score_logits(input_ids: torch.Tensor, chunks: Iterable[torch.Tensor], *,
+                 reference: torch.Tensor | LogprobFile | None = None, keep_logits: bool = False,
+                 keep_logprobs: LogprobFile | None = None) -> StreamScore:
     """Score the next-token logits of ``input_ids`` (``[T]``) that ``chunks`` yields in order, ``[N, vocab]``
     at a time (predictions for positions 1 .. T - 1 in all); ``seconds`` times the iteration, so an engine
     that computes each chunk as it is asked for is timed like :func:`score_stream`."""
     ids = _check(input_ids)
-    scorer = _Scorer(ids, reference, keep_logits)
+    scorer = _Scorer(ids, reference, keep_logits, keep_logprobs)
     for logits in chunks:
         scorer.add(logits)
     if scorer.done != ids.numel() - 1:

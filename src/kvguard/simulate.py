@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -202,6 +202,32 @@ def simulate_logits(model, input_ids: torch.Tensor, plan: Plan, scales: StaticSc
     with simulation(model, plan, scales, observer=observer):
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
     return logits[0, -keep:].float()
+
+
+@torch.no_grad()
+def simulate_logit_slices(model, input_ids: torch.Tensor, plan: Plan, scales: StaticScales | None = None, *,
+                          keep_from: int = 0, rows: int = 256, observer: Observer | None = None,
+                          ) -> Iterator[torch.Tensor]:
+    """:func:`simulate_logits`, ``rows`` positions at a time (``[<= rows, vocab]`` float32 each, in order): the
+    decoder runs once over the whole stream and the output head a slice at a time, so a long text never holds its
+    ``[T, vocab]`` logits at once (5 GB for Qwen2.5 at 8,192 tokens). Calibration keeps :func:`simulate_logits`, one
+    head call per pass that its :class:`~kvguard.calibration.logit_buffer.LogitBuffer` writes into (a slice here
+    would alias the previous one there)."""
+    ids = input_ids.reshape(1, -1).to(model.device)
+    if not 0 <= keep_from < ids.shape[1]:
+        raise ValueError(f"keep_from must be in [0, {ids.shape[1]}), got {keep_from}")
+    with simulation(model, plan, scales, observer=observer):
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]  # [T, hidden]
+    for start in range(keep_from, hidden.shape[0], rows):
+        yield _output_head(model, hidden[start:start + rows]).float()
+
+
+def _output_head(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The causal LM's logits for ``hidden`` ``[n, hidden]``, as its own forward computes them after the decoder:
+    the head, then the final soft-capping where the config sets one (Gemma 2; ``None`` for Llama, Qwen2, Gemma 3)."""
+    logits = model.lm_head(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def first_quantized_query(plan: Plan) -> int:

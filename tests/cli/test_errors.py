@@ -40,6 +40,8 @@ CASES = {
     "text file Latin-1": (["eval", "--text-file", "{d}/latin1.txt"], "is not UTF-8 text (invalid byte at offset 3)"),
     "text file too short": (["eval", "--text-file", "{d}/short.txt"], "has 5 tokens; at least 128 are needed"),
     "corpus too short": (["eval", "--tokens", "1000000000"], "has only"),
+    "longer than the context": (["eval", "--tokens", "8200", "--corpus", "dialog"],
+                                "--tokens 8200 is longer than smollm2-135m's context (8192 positions)"),
     "eval --json a directory": (["eval", "--json", "{d}/adir"], "--json {d}/adir is a directory"),
     "eval --json under a file": (["eval", "--json", "{d}/afile/out.json"], "{d}/afile is not a directory"),
     "generate --events a directory": (["generate", "--profile", GOOD, "--prompt", "hi", "--events", "{d}/adir"],

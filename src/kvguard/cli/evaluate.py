@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
     # The text first (seconds, with the tokenizer alone): a file or corpus too short fails before the weights load.
     streams = _streams(args, models.load_tokenizer(args.model)) if args.task == "ppl" else None
+    if streams:
+        _check_context(args.model, max(w.numel() for ws in streams.values() for w in ws))
     model, tok = models.load(args.model, device=args.device)
     if profile is not None:
         profile.check_model(model)
@@ -178,6 +180,19 @@ def _passkey(args, model, tok, names: list[str], profile) -> int:
         harness.write_json(args.json, {"model": args.model, "task": "passkey",
                                        "results": [dict(vars(r), accuracy=r.accuracy) for r in results]})
     return 0
+
+
+def _check_context(model: str, tokens: int) -> None:
+    """Refuse texts longer than the model's positions (from its config, before the weights load): past them the
+    model's numbers mean nothing, and a method's row would only measure that."""
+    from transformers import AutoConfig
+
+    from kvguard import models
+
+    context = getattr(AutoConfig.from_pretrained(models.resolve(model)), "max_position_embeddings", None)
+    if context is not None and tokens > context:
+        raise CommandError(f"--tokens {tokens} is longer than {model}'s context ({context} positions); use at most "
+                           f"{context}, or a model with a longer context")
 
 
 def _check_recall(args: argparse.Namespace) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import torch
 from kvguard import atomic
 from kvguard.architecture import Architecture
 from kvguard.evaluation import methods as methods_mod
+from kvguard.logprob_file import LogprobFile
 from kvguard.peers import PeerUnsupported, llamacpp
 from kvguard.metrics import quantile
 from kvguard.plan import Plan
@@ -92,29 +94,39 @@ def evaluate_stream(model, ids: torch.Tensor, corpus: str, method_names: list[st
         if live:
             raise ValueError(f"{live[0]} decodes token by token: use chunk 1")
     rows: list[Row] = []
-    references: dict[str, torch.Tensor] = {}  # name -> [T - 1, vocab] log-probabilities
+    # name -> [T - 1, vocab] log-probabilities on disk: 5 GB for Qwen2.5 at 8,192 tokens, more than RAM can spare
+    references: dict[str, LogprobFile] = {}
     last_use = {m.reference: i for i, m in enumerate(resolved)}
-    for i, method in enumerate(resolved):
-        simulated = _use_simulation(method, chunk, simulate)
-        row = Row(method.name, corpus, _mode(method, simulated))
-        if progress:
-            how = {"live": "live, chunk 1", "simulated": "simulated"}.get(row.mode, f"{row.mode}, chunk {chunk}")
-            _log(f"{corpus}: {method.name} ({how}, {ids.numel()} tokens)")
-        try:
-            score, stored, fp16 = _score(model, ids, method, simulated, chunk, references.get(method.reference),
-                                         corpus, row, progress, gguf)
-        except PeerUnsupported as err:  # a peer refusing a model is a result, not a crash
-            row.error = str(err)
-        else:
-            if method.name == method.reference:
-                references[method.name] = torch.log_softmax(score.logits, dim=-1)
-                score = StreamScore(score.nll, score.tokens, 0.0, 1.0, score.seconds,
-                                    token_kl=torch.zeros(score.tokens - 1))
-            _fill(row, score, stored, fp16)
-        rows.append(row)
-        for name in [n for n, last in last_use.items() if last == i]:
-            references.pop(name, None)  # [T - 1, vocab] (2 GB for Gemma 3 at 2,048 tokens) no row needs any more
+    with contextlib.ExitStack() as cleanup:  # the files go whatever happens
+        for i, method in enumerate(resolved):
+            keep = cleanup.enter_context(LogprobFile(ids.numel() - 1)) if method.name == method.reference else None
+            rows.append(_method_row(model, ids, corpus, method, chunk, simulate, references.get(method.reference),
+                                    keep, progress, gguf))
+            if keep is not None and rows[-1].error is None:
+                references[method.name] = keep
+            for name in [n for n, last in last_use.items() if last == i and n in references]:
+                references.pop(name).close()  # no row needs it any more
     return _with_deltas(rows)
+
+
+def _method_row(model, ids, corpus: str, method: methods_mod.Method, chunk: int, simulate: str,
+                reference: LogprobFile | None, keep: LogprobFile | None, progress: bool, gguf: Path | None) -> Row:
+    """One method's row; a reference method (``keep``) writes its log-probabilities there and scores KL 0 against
+    itself."""
+    simulated = _use_simulation(method, chunk, simulate)
+    row = Row(method.name, corpus, _mode(method, simulated))
+    if progress:
+        how = {"live": "live, chunk 1", "simulated": "simulated"}.get(row.mode, f"{row.mode}, chunk {chunk}")
+        _log(f"{corpus}: {method.name} ({how}, {ids.numel()} tokens)")
+    try:
+        score, stored, fp16 = _score(model, ids, method, simulated, chunk, reference, keep, row, progress, gguf)
+    except PeerUnsupported as err:  # a peer refusing a model is a result, not a crash
+        row.error = str(err)
+        return row
+    if keep is not None:
+        score = StreamScore(score.nll, score.tokens, 0.0, 1.0, score.seconds, token_kl=torch.zeros(score.tokens - 1))
+    _fill(row, score, stored, fp16)
+    return row
 
 
 def _mode(method: methods_mod.Method, simulated: bool) -> str:
@@ -123,31 +135,31 @@ def _mode(method: methods_mod.Method, simulated: bool) -> str:
     return "simulated" if simulated else ("live" if method.live else "streamed")
 
 
-def _score(model, ids, method, simulated: bool, chunk: int, reference, corpus: str, row: Row,
-           progress: bool, gguf: Path | None) -> tuple[StreamScore, int, int]:
-    """``(score, stored bytes, FP16 bytes)`` of one method; the loop's rates go into ``row``."""
-    keep = method.name == method.reference
+def _score(model, ids, method, simulated: bool, chunk: int, reference: LogprobFile | None, keep: LogprobFile | None,
+           row: Row, progress: bool, gguf: Path | None) -> tuple[StreamScore, int, int]:
+    """``(score, stored bytes, FP16 bytes)`` of one method, its log-probabilities written to ``keep`` where it is a
+    reference; the loop's rates go into ``row``."""
     if method.llamacpp is not None:
-        score = llamacpp.score(gguf, ids, method.llamacpp, chunk=chunk, reference=reference, keep_logits=keep,
+        score = llamacpp.score(gguf, ids, method.llamacpp, chunk=chunk, reference=reference, keep_logprobs=keep,
                                progress=progress)
         # kvguard's FP16 count of these tokens (a sliding layer: its window) in GGML's blocks, comparable with the
         # other rows; llama.cpp's own allocation (cells padded, a sliding layer's window plus a batch) is not compared.
         fp16 = Plan.uniform(Architecture.from_config(model.config), "fp16").kv_bytes(model.config, ids.numel() - 1)[1]
         return score, llamacpp.kv_bytes(method.llamacpp, fp16), fp16
     if method.live:
-        session = method.session(model, sequence_id=f"{corpus}-{method.name}")
-        score = score_live(session, ids, reference=reference, keep_logits=keep, progress=progress, desc=method.name)
+        session = method.session(model, sequence_id=f"{row.corpus}-{method.name}")
+        score = score_live(session, ids, reference=reference, keep_logprobs=keep, progress=progress, desc=method.name)
         row.trigger_rate = session.trigger_rate
         row.recompute_fraction = session.recompute_fraction()
         row.ram_bytes_ratio, row.disk_bytes_ratio = session.held_ratios()
         return score, session.cache.nbytes(), session.cache.fp16_nbytes()
     if simulated and not method.chunk_invariant:
         plan = method.plan(Architecture.from_config(model.config))
-        score = score_simulated(model, ids, plan, reference=reference, keep_logits=keep, scales=method.scales)
+        score = score_simulated(model, ids, plan, reference=reference, keep_logprobs=keep, scales=method.scales)
         return score, *plan.kv_bytes(model.config, ids.numel() - 1, method.scales)
     cache = method.make_cache(model)
     score = score_stream(model, ids, cache, chunk=ONE_PASS_CHUNK if simulated else chunk, reference=reference,
-                         keep_logits=keep, progress=progress, desc=method.name)
+                         keep_logprobs=keep, progress=progress, desc=method.name)
     return score, *methods_mod.kv_bytes(cache)
 
 

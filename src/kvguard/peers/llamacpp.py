@@ -41,6 +41,7 @@ import torch
 from kvguard.peers import PeerUnsupported
 
 if TYPE_CHECKING:  # scoring pulls in transformers; this module is imported by the CLI's parser
+    from kvguard.logprob_file import LogprobFile
     from kvguard.scoring import StreamScore
 
 PACKAGE = "llama-cpp-python==0.3.36"
@@ -244,10 +245,12 @@ def _require_gguf(gguf: Path | None, spec: KVSpec) -> Path:
 
 
 def score(gguf: Path | None, ids: torch.Tensor, spec: KVSpec, *, chunk: int = 1,
-          reference: torch.Tensor | None = None, keep_logits: bool = False, progress: bool = False) -> StreamScore:
+          reference: torch.Tensor | LogprobFile | None = None, keep_logprobs: LogprobFile | None = None,
+          progress: bool = False) -> StreamScore:
     """Scores of ``ids`` (``[T]``) teacher-forced through llama.cpp with ``spec``'s cache on ``gguf``, ``chunk``
     tokens per decode; ``reference``: ``[T - 1, vocab]`` log-probabilities (``llamacpp-f16``'s) for KL and top-1
-    agreement.
+    agreement, and ``keep_logprobs`` a :class:`~kvguard.logprob_file.LogprobFile` for this run's (as in
+    :func:`kvguard.scoring.score_logits`).
 
     Raises:
         PeerUnsupported: no GGUF (not an embedded model), ``llama_cpp`` not installed, or llama.cpp refusing
@@ -260,4 +263,4 @@ def score(gguf: Path | None, ids: torch.Tensor, spec: KVSpec, *, chunk: int = 1,
     tokens = ids[:-1].tolist()  # the last token is only a target
     with _engine(gguf, spec, n_ctx=max(len(tokens), 1), chunk=chunk) as (llama_cpp, llm):
         return score_logits(ids, _logits(llama_cpp, llm, tokens, chunk, progress, spec.name), reference=reference,
-                            keep_logits=keep_logits)
+                            keep_logprobs=keep_logprobs)
